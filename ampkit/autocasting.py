@@ -1,0 +1,166 @@
+"""Op-level casting for O1/O4: ``torch.autocast`` regions and user-registered casts.
+
+ampkit never patches torch globally. The model's forward runs under ``torch.autocast``
+(see ``model_state``); :func:`autocast` opens the same region for code outside the
+model, :func:`disable_casts` closes it locally, and the ``register_*_function`` /
+decorator API adds user functions to the half, float or promote lists.
+"""
+import contextlib
+import functools
+from typing import Callable
+
+import torch
+
+from .casting import cast_tree
+
+DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
+
+
+def _autocast_devices():
+    active = []
+    for device in DEVICE_TYPES:
+        try:
+            if torch.is_autocast_enabled(device):
+                active.append(device)
+        except (RuntimeError, ValueError):
+            continue
+    return active
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True):
+    """Run the block under the autocast of the current ``initialize`` (O1/O4).
+
+    At levels without op-level casting this is a no-op, so code written for O1 runs
+    unchanged at O2. Raises RuntimeError before ``ampkit.initialize``.
+    """
+    from .frontend import current_session
+
+    session = current_session("ampkit.autocast()")
+    props = session.properties
+    if not (enabled and session.enabled and props.patch_torch_functions):
+        yield
+        return
+    with torch.autocast(session.device_type, dtype=props.half_dtype):
+        yield
+
+
+@contextlib.contextmanager
+def disable_casts():
+    """Turn op-level autocasting off inside the block; a no-op where none is active."""
+    with contextlib.ExitStack() as stack:
+        for device in _autocast_devices():
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def _device_of(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if torch.is_tensor(value):
+            return value.device.type
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                if torch.is_tensor(v):
+                    return v.device.type
+    return None
+
+
+def _floating_dtypes(obj, out):
+    if torch.is_tensor(obj):
+        if obj.is_floating_point():
+            out.add(obj.dtype)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _floating_dtypes(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _floating_dtypes(v, out)
+    return out
+
+
+def _active_device(args, kwargs):
+    """The device type whose autocast is on for these arguments, or None."""
+    device = _device_of(args, kwargs)
+    if device is None:
+        active = _autocast_devices()
+        return active[0] if active else None
+    try:
+        return device if torch.is_autocast_enabled(device) else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def half_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` on floating arguments cast to the autocast dtype."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = _active_device(args, kwargs)
+        if device is None:
+            return fn(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return fn(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
+
+    wrapper.__ampkit_cast__ = "half"
+    return wrapper
+
+
+def float_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` on float32 arguments with autocasting disabled inside."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = _active_device(args, kwargs)
+        if device is None:
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(*cast_tree(args, torch.float32), **cast_tree(kwargs, torch.float32))
+
+    wrapper.__ampkit_cast__ = "float"
+    return wrapper
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` on floating arguments promoted to the widest floating dtype among them."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = _active_device(args, kwargs)
+        if device is None:
+            return fn(*args, **kwargs)
+        dtypes = _floating_dtypes(kwargs, _floating_dtypes(args, set()))
+        if len(dtypes) < 2:
+            return fn(*args, **kwargs)
+        widest = functools.reduce(torch.promote_types, dtypes)
+        with torch.autocast(device, enabled=False):
+            return fn(*cast_tree(args, widest), **cast_tree(kwargs, widest))
+
+    wrapper.__ampkit_cast__ = "promote"
+    return wrapper
+
+
+def _register(decorator, module, name: str) -> None:
+    if not isinstance(name, str) or not hasattr(module, name):
+        raise ValueError(f"No function named {name!r} in module {getattr(module, '__name__', module)!r}.")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{getattr(module, '__name__', module)}.{name} is not callable.")
+    if getattr(fn, "__ampkit_cast__", None) is not None:
+        fn = fn.__wrapped__
+    setattr(module, name, decorator(fn))
+
+
+def register_half_function(module, name: str) -> None:
+    """Make ``module.name`` a half function (see :func:`half_function`)."""
+    _register(half_function, module, name)
+
+
+def register_float_function(module, name: str) -> None:
+    """Make ``module.name`` a float function (see :func:`float_function`)."""
+    _register(float_function, module, name)
+
+
+def register_promote_function(module, name: str) -> None:
+    """Make ``module.name`` a promote function (see :func:`promote_function`)."""
+    _register(promote_function, module, name)

@@ -1,0 +1,123 @@
+"""Loss scaling for one loss: the scale, and the rules that move it.
+
+A :class:`LossScaler` is a small state machine over Python numbers (no tensors): the
+decision whether gradients overflowed is made elsewhere, in one fused check with one
+host synchronisation, and handed to :meth:`LossScaler.update`.
+"""
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["LossScaler", "unscale_and_check_"]
+
+
+class LossScaler:
+    """The loss scale of one loss, static or dynamic.
+
+    State:
+
+    * ``scale``: the number the loss is multiplied by before ``backward``.
+    * ``unskipped``: clean (finite) steps since the scale last changed; a dynamic scaler
+      multiplies the scale by ``growth_factor`` when it reaches ``growth_interval``.
+    * ``consecutive_overflows``: overflowing steps in a row; a dynamic scaler multiplies
+      the scale by ``backoff_factor`` once it reaches ``hysteresis`` (1: every overflow).
+
+    Every overflowing step is skipped, static or dynamic; only a dynamic scaler moves the
+    scale. The scale is always kept within ``[min_loss_scale, max_loss_scale]``.
+    """
+
+    def __init__(
+        self,
+        loss_scale="dynamic",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_loss_scale: Optional[float] = None,
+        max_loss_scale: float = 2.0**24,
+        hysteresis: int = 1,
+    ):
+        self.dynamic = loss_scale == "dynamic"
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.min_loss_scale = min_loss_scale
+        self.max_loss_scale = float(max_loss_scale)
+        self.hysteresis = int(hysteresis)
+        self.scale = self._clamp(init_scale) if self.dynamic else float(loss_scale)
+        self.unskipped = 0
+        self.consecutive_overflows = 0
+        self.skipped_steps = 0
+
+    def _clamp(self, scale: float) -> float:
+        scale = min(self.max_loss_scale, scale)
+        if self.min_loss_scale is not None:
+            scale = max(self.min_loss_scale, scale)
+        # A scale that underflowed to 0 (or overflowed to inf) would end training silently.
+        return min(max(scale, torch.finfo(torch.float32).tiny), torch.finfo(torch.float32).max)
+
+    def loss_scale(self) -> float:
+        return self.scale
+
+    def update(self, overflow: bool) -> bool:
+        """Record one step's outcome; return True when that step must be skipped."""
+        if overflow:
+            self.skipped_steps += 1
+            self.unskipped = 0
+            self.consecutive_overflows += 1
+            if self.dynamic and self.consecutive_overflows >= self.hysteresis:
+                self.scale = self._clamp(self.scale * self.backoff_factor)
+            return True
+        self.consecutive_overflows = 0
+        self.unskipped += 1
+        if self.dynamic and self.unskipped == self.growth_interval:
+            self.scale = self._clamp(self.scale * self.growth_factor)
+            self.unskipped = 0
+        return False
+
+    @property
+    def at_floor(self) -> bool:
+        """True when a dynamic scale can back off no further."""
+        return self.dynamic and self.min_loss_scale is not None and self.scale <= self.min_loss_scale
+
+    def state_dict(self) -> dict:
+        """Apex's per-scaler format, plus the overflow streak when hysteresis is on."""
+        out = {"loss_scale": self.scale, "unskipped": self.unskipped}
+        if self.hysteresis > 1:
+            out["consecutive_overflows"] = self.consecutive_overflows
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["loss_scale"])
+        self.unskipped = int(state["unskipped"])
+        self.consecutive_overflows = int(state.get("consecutive_overflows", 0))
+
+    @staticmethod
+    def check_state(name: str, state) -> None:
+        """Raise a ValueError if ``state`` is not a valid per-scaler state dict."""
+        if not isinstance(state, dict) or "loss_scale" not in state or "unskipped" not in state:
+            raise ValueError(f"{name}: expected a dict with 'loss_scale' and 'unskipped', got {state!r}.")
+        scale, unskipped = state["loss_scale"], state["unskipped"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"{name}['loss_scale']={scale!r}: expected a positive finite number.")
+        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
+            raise ValueError(f"{name}['unskipped']={unskipped!r}: expected a non-negative integer.")
+
+
+def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
+
+    ``found_inf`` maps a device to a one-element float tensor that is set to 1 when any
+    gradient on that device holds an inf or NaN. One fused foreach kernel runs per
+    (device, dtype) group; nothing synchronises with the host.
+    """
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in groups.items():
+        flag = found_inf.get(device)
+        if flag is None:
+            flag = found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
