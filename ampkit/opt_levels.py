@@ -74,10 +74,11 @@ def check_opt_level(opt_level) -> str:
     if isinstance(opt_level, str) and len(opt_level) == 2 and opt_level[0] in "0o":
         letter = "O" + opt_level[1]
         if letter in OPT_LEVELS:
-            hint = f" Did you mean {letter!r} (letter O)? The prefix is the letter O, not the digit zero."
+            why = "the digit zero" if opt_level[0] == "0" else "a lower-case o"
+            hint = f"; did you mean {letter!r} (letter O)? The prefix is the capital letter O, not {why}"
     raise ValueError(
-        f"initialize(opt_level={opt_level!r}): unknown opt level; accepted values are "
-        f"{_accepted_levels()}.{hint}"
+        f"initialize(opt_level={opt_level!r}): unknown opt level{hint}. Accepted values are "
+        f"{_accepted_levels()}."
     )
 
 
