@@ -1,0 +1,10 @@
+"""Normalization layers and transforms for mixed precision."""
+from .batchnorm import convert_batchnorm, enable_mixed_input_batchnorm
+from .fused import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
+from .layer_norm import LPLayerNorm, apply_low_precision_layernorm
+
+__all__ = [
+    "LPLayerNorm", "apply_low_precision_layernorm",
+    "FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm",
+    "convert_batchnorm", "enable_mixed_input_batchnorm",
+]
