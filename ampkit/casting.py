@@ -45,11 +45,13 @@ def cast_module_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
 
     Parameter objects keep their identity (``param.data`` is replaced), so optimizers
     that hold them stay valid. With ``keep_batchnorm_fp32`` every BatchNorm layer is
-    left in float32. Returns the number of tensors cast.
+    left in float32, and so is any module whose ``keeps_float32_params`` is true (the
+    Mixed* norms). Returns the number of tensors cast.
     """
     count = 0
     for module in model.modules():
-        target = torch.float32 if keep_batchnorm_fp32 and is_batchnorm(module) else dtype
+        keep = (keep_batchnorm_fp32 and is_batchnorm(module)) or getattr(module, "keeps_float32_params", False)
+        target = torch.float32 if keep else dtype
         for param in module._parameters.values():
             if param is not None and param.is_floating_point() and param.dtype != target:
                 param.data = param.data.to(target)

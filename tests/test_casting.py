@@ -36,3 +36,13 @@ def test_cast_module_keeps_parameter_identity_and_batchnorm():
     assert n == 2
     cast_module_(model, torch.bfloat16, keep_batchnorm_fp32=False)
     assert model[2].running_var.dtype == torch.bfloat16 and model[1].num_batches_tracked.dtype == torch.int64
+
+
+def test_cast_module_leaves_mixed_norms_float32():
+    from ampkit.normalization import FusedLayerNorm, MixedFusedRMSNorm
+
+    model = nn.Sequential(nn.Linear(4, 4), MixedFusedRMSNorm(4), FusedLayerNorm(4))
+    cast_module_(model, torch.bfloat16, keep_batchnorm_fp32=False)
+    assert model[1].weight.dtype == torch.float32
+    assert model[2].weight.dtype == torch.bfloat16 and model[0].weight.dtype == torch.bfloat16
+    assert model(torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16

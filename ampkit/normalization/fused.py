@@ -22,6 +22,11 @@ class _FusedNorm(nn.Module):
     param_names = ("weight", "bias")
     mixed = False
 
+    @property
+    def keeps_float32_params(self) -> bool:
+        """Mixed variants are left float32 when ``initialize`` casts a model to half."""
+        return self.mixed
+
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, memory_efficient: bool = False):
         super().__init__()
         if isinstance(normalized_shape, numbers.Integral):
