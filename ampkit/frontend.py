@@ -92,26 +92,27 @@ class OverflowCheck:
         found = flags[0] if len(flags) == 1 else sum(f.to(flags[0].device) for f in flags)
         found = _all_ranks_max(found)
         overflow = bool(found.item())
+        pinned = self.scaler is not None and self.scaler.at_floor
         if self.scaler is not None:
             self.scaler.update(overflow)
         if overflow:
             for st in self.states:
                 st.skip = self.loss_id
-            self._report()
+            self._report(pinned)
         return overflow
 
     @property
     def loss_id(self) -> int:
         return self.session.scalers.index(self.scaler) if self.scaler is not None else -1
 
-    def _report(self) -> None:
+    def _report(self, pinned: bool) -> None:
         s = self.session
         if self.scaler is None:
             s.log("Gradient overflow in gradients computed outside scale_loss. Skipping step.")
         elif self.scaler.dynamic:
             s.log("Gradient overflow. Skipping step, loss scaler %d reducing loss scale to %s",
                   self.loss_id, self.scaler.loss_scale())
-            if self.scaler.at_floor and self.loss_id not in s.floor_warned:
+            if pinned and self.loss_id not in s.floor_warned:
                 s.floor_warned.add(self.loss_id)
                 s.log("Loss scaler %d is pinned at min_loss_scale=%s and gradients still overflow: "
                       "training is not progressing. Look for inf/NaN in the forward pass.",
@@ -139,14 +140,14 @@ def current_session(caller: str) -> Session:
     return _current
 
 
-def _as_list(obj, kind: str, allowed: tuple):
+def _as_list(obj, kind: str, allowed: tuple, noun: str):
     if obj is None:
         return [], False
     if isinstance(obj, allowed):
         return [obj], True
     if isinstance(obj, (list, tuple)) and all(isinstance(o, allowed) for o in obj):
         return list(obj), False
-    raise TypeError(f"initialize({kind}=...): expected a {allowed[0].__name__} or a list of them, got {type(obj).__name__}.")
+    raise TypeError(f"initialize({kind}=...): expected {noun} or a list of them, got {type(obj).__name__}.")
 
 
 def _device_type(model: nn.Module) -> str:
@@ -231,8 +232,8 @@ def initialize(
     global _current
     if not isinstance(enabled, bool):
         raise TypeError(f"initialize(enabled={enabled!r}): expected True or False.")
-    model_list, single_model = _as_list(models, "models", (nn.Module,))
-    opt_list, single_opt = _as_list(optimizers, "optimizers", (torch.optim.Optimizer,))
+    model_list, single_model = _as_list(models, "models", (nn.Module,), "an nn.Module")
+    opt_list, single_opt = _as_list(optimizers, "optimizers", (torch.optim.Optimizer,), "a torch.optim.Optimizer")
     if not model_list:
         raise ValueError("initialize(models=...): expected at least one model.")
     if not enabled:

@@ -177,6 +177,12 @@ def resolve(opt_level, **overrides) -> Tuple[Properties, Properties, Dict[str, A
         final.cast_model_type = half
     if final.half_dtype is None and final.patch_torch_functions:
         final.half_dtype = half
+    if final.patch_torch_functions and final.cast_model_type in HALF_DTYPES and final.cast_model_type != final.half_dtype:
+        raise ValueError(
+            f"initialize(cast_model_type={final.cast_model_type}): conflicts with half_dtype={final.half_dtype}, "
+            f"the dtype autocast runs in (patch_torch_functions=True at {defaults.opt_level}); pass "
+            f"half_dtype={final.cast_model_type}, or cast_model_type={final.half_dtype}."
+        )
 
     notes = []
     casts_to_half = final.cast_model_type in HALF_DTYPES

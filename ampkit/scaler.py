@@ -71,7 +71,7 @@ class LossScaler:
             return True
         self.consecutive_overflows = 0
         self.unskipped += 1
-        if self.dynamic and self.unskipped == self.growth_interval:
+        if self.dynamic and self.unskipped >= self.growth_interval:
             self.scale = self._clamp(self.scale * self.growth_factor)
             self.unskipped = 0
         return False
@@ -103,6 +103,9 @@ class LossScaler:
             raise ValueError(f"{name}['loss_scale']={scale!r}: expected a positive finite number.")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"{name}['unskipped']={unskipped!r}: expected a non-negative integer.")
+        streak = state.get("consecutive_overflows", 0)
+        if isinstance(streak, bool) or not isinstance(streak, int) or streak < 0:
+            raise ValueError(f"{name}['consecutive_overflows']={streak!r}: expected a non-negative integer.")
 
 
 def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:

@@ -1,0 +1,1 @@
+"""Reliability suite (issue 7): faults, long runs, property tests, resume, bad inputs."""

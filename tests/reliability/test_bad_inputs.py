@@ -1,0 +1,435 @@
+"""Every bad input we tried, as one table: the exception and the message a user sees.
+
+Each row runs on fresh objects and asserts the exception type, a message fragment naming
+the argument, and that model, optimizer, loss scalers (and any other model involved) are
+bit-identical afterwards and still usable. Rows whose exception is None must *work*
+(calling optimizer.step() before any backward at O2/O5 — Apex crashed there) or take
+ampkit's documented non-exception path (a non-finite loss: the step is skipped and
+reported). ``BAD_INPUTS.md`` is this table rendered for the README; the last test keeps
+it in sync (``AMPKIT_WRITE_BAD_INPUTS=1 python -m pytest tests/reliability/test_bad_inputs.py``
+rewrites it). The session summary prints "N bad inputs checked".
+"""
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit import checkpoint
+from ampkit.checkpoint import CheckpointError
+
+from ._harness import LOSSES, Tiny, all_finite, assert_unchanged, diff, fixed_batch, make, snapshot
+
+MD = Path(__file__).with_name("BAD_INPUTS.md")
+NAN, INF = float("nan"), float("inf")
+
+
+@dataclasses.dataclass
+class Env:
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    x: torch.Tensor
+    y: torch.Tensor
+    others: List[nn.Module] = dataclasses.field(default_factory=list)
+    tmp: Optional[Path] = None
+
+
+def raw(opt_name="sgd"):
+    model, opt = make(opt_name)
+    x, y = fixed_batch()
+    LOSSES[0](model(x), y).backward()
+    opt.step()  # some optimizer state that must survive
+    opt.zero_grad()
+    return Env(model, opt, x, y)
+
+
+def init(level="O2", opt_name="sgd", **kw):
+    e = raw(opt_name)
+    kw.setdefault("verbosity", 0)
+    ampkit.initialize(e.model, e.opt, opt_level=level, **kw)
+    return e
+
+
+def with_foreign_param():
+    torch.manual_seed(0)
+    model, stranger = Tiny(), nn.Linear(2, 2)
+    opt = torch.optim.SGD(list(model.parameters()) + list(stranger.parameters()), lr=0.1)
+    x, y = fixed_batch()
+    return Env(model, opt, x, y, others=[stranger])
+
+
+def on_meta():
+    with torch.device("meta"):
+        model = Tiny()
+    x, y = fixed_batch()
+    return Env(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+
+
+def ddp_wrapped():
+    import torch.distributed as dist
+
+    e = raw()
+    fd, store = tempfile.mkstemp()
+    os.close(fd)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        e.others = [e.model]
+        e.model = nn.parallel.DistributedDataParallel(e.model)
+    finally:
+        dist.destroy_process_group()
+        os.unlink(store)
+    return e
+
+
+def with_other(level="O2", **kw):
+    e = init(level, **kw)
+    torch.manual_seed(3)
+    e.others = [Tiny()]
+    return e
+
+
+def two_sessions():
+    e = init("O2")
+    torch.manual_seed(3)
+    m2 = Tiny()
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    ampkit.initialize(m2, o2, opt_level="O2", verbosity=0)
+    e.others = [m2]
+    e.o2 = o2
+    return e
+
+
+def with_checkpoint(kind):
+    def setup():
+        src = init("O2", num_losses=2) if kind == "two-losses" else None
+        e = init("O2", num_losses=1)
+        e.tmp = Path(tempfile.mkdtemp())
+        path = e.tmp / "c.ckpt"
+        checkpoint.save(path, *((src.model, src.opt) if src else (e.model, e.opt)))
+        if kind == "truncated":
+            path.write_bytes(path.read_bytes()[:-200])
+        if kind == "plain":
+            torch.save(e.model.state_dict(), path)
+        return e
+    return setup
+
+
+# --- calls -------------------------------------------------------------------------------
+
+def initialize(**kw):
+    kw.setdefault("opt_level", "O2")
+    return lambda e: ampkit.initialize(e.model, e.opt, **kw)
+
+
+def scaled_step(loss_fn, loss_id=0, **kw):
+    def call(e):
+        with ampkit.scale_loss(loss_fn(e), e.opt, loss_id=loss_id, **kw) as s:
+            s.backward()
+        e.opt.step()
+    return call
+
+
+def mse(e):
+    return LOSSES[0](e.model(e.x), e.y)
+
+
+def nan_loss(e):
+    bad = e.x.clone()
+    bad[0, 0] = NAN
+    return LOSSES[0](e.model(bad), e.y)
+
+
+def inf_loss(e):
+    return (e.model(e.x).float() * INF).abs().mean()
+
+
+def open_window():
+    """Loss 0's accumulation window is open: its gradients are still scaled."""
+    e = init("O2", num_losses=2)
+    with ampkit.scale_loss(mse(e), e.opt, loss_id=0, delay_unscale=True) as s:
+        s.backward()
+    e.window_open = True
+    return e
+
+
+def skipped_once(e):
+    assert e.opt._ampkit.session.scalers[0].skipped_steps == 1
+
+
+def amp_load(state):
+    return lambda e: ampkit.load_state_dict(state)
+
+
+def model_load(mutate):
+    def call(e):
+        sd = {k: v.clone() for k, v in e.model.state_dict().items()}
+        mutate(sd)
+        e.model.load_state_dict(sd)
+    return call
+
+
+def opt_from_other_layout(e):
+    params = list(e.model.parameters())
+    other = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    e.opt.load_state_dict(other.state_dict())
+
+
+def _scaler(scale=8.0, unskipped=3, **extra):
+    return dict(loss_scale=scale, unskipped=unskipped, **extra)
+
+
+# --- the table ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+    argument: str
+    value: str
+    setup: Callable[[], Env]
+    call: Callable[[Env], Any]
+    exc: Optional[type]
+    message: str
+    check: Optional[Callable[[Env], None]] = None  # more to verify after the call
+    changes: frozenset = frozenset()  # state the call may change (the scale backing off)
+    where: str = "initialize"
+
+    @property
+    def id(self):
+        return f"{self.where}:{self.argument}={self.value}"
+
+
+def I(argument, value, exc, message, setup=raw, call=None, **kw):  # noqa: E743 - a row of initialize()
+    return Row(argument, value, setup, call or initialize(**{argument: eval(value)}), exc, message, **kw)
+
+
+TABLE = [
+    # opt_level: digit-zero and lower-case typos, unknown names, wrong types
+    *[I("opt_level", repr(f"0{d}"), ValueError, f"did you mean 'O{d}' (letter O)?") for d in range(6)],
+    I("opt_level", "'o2'", ValueError, "did you mean 'O2' (letter O)?"),
+    I("opt_level", "'O6'", ValueError, "initialize(opt_level='O6'): unknown opt level"),
+    I("opt_level", "'O2 '", ValueError, "initialize(opt_level='O2 '): unknown opt level"),
+    I("opt_level", "2", ValueError, "initialize(opt_level=2): unknown opt level"),
+    I("opt_level", "None", ValueError, "initialize(opt_level=None): an opt_level is required"),
+    # overrides of the wrong kind
+    I("cast_model_type", "'float16'", TypeError, "initialize(cast_model_type='float16')"),
+    I("cast_model_type", "torch.int64", TypeError, "initialize(cast_model_type=torch.int64)"),
+    I("cast_model_type", "True", TypeError, "initialize(cast_model_type=True)"),
+    I("patch_torch_functions", "'maybe'", TypeError, "initialize(patch_torch_functions='maybe')"),
+    I("patch_torch_functions", "1", TypeError, "initialize(patch_torch_functions=1)"),
+    I("keep_batchnorm_fp32", "'maybe'", TypeError, "initialize(keep_batchnorm_fp32='maybe')"),
+    I("keep_batchnorm_fp32", "'true'", TypeError, "initialize(keep_batchnorm_fp32='true')"),
+    I("master_weights", "-1", TypeError, "initialize(master_weights=-1)"),
+    I("master_weights", "'True'", TypeError, "initialize(master_weights='True')"),
+    I("loss_scale", "'fast'", ValueError, "initialize(loss_scale='fast')"),
+    I("loss_scale", "-1", ValueError, "initialize(loss_scale=-1)"),
+    I("loss_scale", "0", ValueError, "initialize(loss_scale=0)"),
+    I("loss_scale", "float('nan')", ValueError, "initialize(loss_scale=nan)"),
+    I("loss_scale", "float('inf')", ValueError, "initialize(loss_scale=inf)"),
+    I("loss_scale", "True", ValueError, "initialize(loss_scale=True)"),
+    I("loss_scale", "'Dynamic'", ValueError, "initialize(loss_scale='Dynamic')"),
+    I("half_dtype", "torch.float32", TypeError, "initialize(half_dtype=torch.float32)"),
+    I("half_dtype", "'bfloat16'", TypeError, "initialize(half_dtype='bfloat16')"),
+    I("cast_model_outputs", "torch.int32", TypeError, "initialize(cast_model_outputs=torch.int32)"),
+    I("low_precision_layernorm", "'maybe'", TypeError, "initialize(low_precision_layernorm='maybe')"),
+    I("num_losses", "0", ValueError, "initialize(num_losses=0)"),
+    I("num_losses", "1.5", ValueError, "initialize(num_losses=1.5)"),
+    I("verbosity", "5", ValueError, "initialize(verbosity=5)"),
+    I("min_loss_scale", "0", ValueError, "initialize(min_loss_scale=0)"),
+    I("min_loss_scale", "float('nan')", ValueError, "initialize(min_loss_scale=nan)"),
+    I("max_loss_scale", "float('inf')", ValueError, "initialize(max_loss_scale=inf)"),
+    I("max_loss_scale", "-1", ValueError, "initialize(max_loss_scale=-1)"),
+    Row("min_loss_scale", "2.**20 with max_loss_scale=2.**16", raw,
+        initialize(min_loss_scale=2.0**20, max_loss_scale=2.0**16), ValueError,
+        "initialize(min_loss_scale=1048576.0): must not exceed max_loss_scale"),
+    I("loss_scale_hysteresis", "0", ValueError, "initialize(loss_scale_hysteresis=0)"),
+    I("enabled", "'yes'", TypeError, "initialize(enabled='yes')"),
+    I("ddp", "'yes'", TypeError, "initialize(ddp='yes')"),
+    I("ddp", "True", RuntimeError, "initialize(ddp=True): the default process group is not initialized"),
+    I("ddp_kwargs", "[]", TypeError, "initialize(ddp_kwargs=[])"),
+    Row("fast", "1 (unknown keyword)", raw, initialize(fast=1), TypeError, "unexpected keyword argument 'fast'"),
+    Row("cast_model_type", "torch.bfloat16 at O1 (autocast float16)", raw,
+        initialize(opt_level="O1", cast_model_type=torch.bfloat16), ValueError,
+        "initialize(cast_model_type=torch.bfloat16): conflicts with half_dtype=torch.float16"),
+    # models and optimizers
+    Row("models", "'model' (a string)", raw, lambda e: ampkit.initialize("model", e.opt, opt_level="O2"),
+        TypeError, "initialize(models=...): expected an nn.Module"),
+    Row("models", "[] (empty)", raw, lambda e: ampkit.initialize([], e.opt, opt_level="O2"),
+        ValueError, "initialize(models=...): expected at least one model"),
+    Row("models", "nn.DataParallel(model)", raw,
+        lambda e: ampkit.initialize(nn.DataParallel(e.model), e.opt, opt_level="O2"),
+        RuntimeError, "already wrapped in torch.nn.parallel.data_parallel.DataParallel"),
+    Row("models", "DistributedDataParallel(model)", ddp_wrapped,
+        lambda e: ampkit.initialize(e.model, e.opt, opt_level="O2"),
+        RuntimeError, "already wrapped in torch.nn.parallel.distributed.DistributedDataParallel"),
+    Row("models", "[model, model]", raw, lambda e: ampkit.initialize([e.model, e.model], e.opt, opt_level="O2"),
+        ValueError, "the same model appears twice"),
+    Row("models", "a model on the meta device", on_meta, initialize(opt_level="O1"),
+        RuntimeError, "fc1.weight is on the meta device; materialize the model first"),
+    Row("models", "model already initialized (second initialize)", init, initialize(opt_level="O2"),
+        RuntimeError, "model was already passed through ampkit.initialize"),
+    Row("optimizers", "optimizer already initialized, new model", with_other,
+        lambda e: ampkit.initialize(e.others[0], e.opt, opt_level="O2"),
+        RuntimeError, "optimizer was already passed through ampkit.initialize"),
+    Row("optimizers", "[opt, opt]", raw, lambda e: ampkit.initialize(e.model, [e.opt, e.opt], opt_level="O2"),
+        ValueError, "the same optimizer appears twice"),
+    Row("optimizers", "'sgd' (a string)", raw, lambda e: ampkit.initialize(e.model, "sgd", opt_level="O2"),
+        TypeError, "initialize(optimizers=...): expected a torch.optim.Optimizer"),
+    Row("optimizers", "holds parameters of no model passed", with_foreign_param, initialize(opt_level="O2"),
+        ValueError, "holds 2 parameter(s) that belong to none of the models"),
+    # scale_loss
+    *[Row("loss_id", v, lambda: init("O2"), scaled_step(mse, loss_id=eval(v)), ValueError,
+          f"scale_loss(loss_id={v}): expected an integer in [0, 0]", where="scale_loss")
+      for v in ("1", "-1", "'0'", "True")],
+    Row("loss", "shape (16, 3) (not reduced)", lambda: init("O2"), scaled_step(lambda e: e.model(e.x)), ValueError,
+        "scale_loss(loss=...): expected a scalar (one-element) tensor, got (16, 3)", where="scale_loss"),
+    Row("loss", "1.0 (a Python float)", lambda: init("O2"), scaled_step(lambda e: 1.0), ValueError,
+        "scale_loss(loss=...): expected a scalar (one-element) tensor, got float", where="scale_loss"),
+    Row("loss", "NaN (from a NaN in the batch)", lambda: init("O2", verbosity=1), scaled_step(nan_loss), None,
+        "no exception: the step is skipped, logged as a gradient overflow; a dynamic scale backs off",
+        check=skipped_once, changes={"amp"}, where="scale_loss"),
+    Row("loss", "inf", lambda: init("O5", verbosity=1), scaled_step(inf_loss), None,
+        "no exception: the step is skipped, logged as a gradient overflow", check=skipped_once, where="scale_loss"),
+    Row("optimizers", "an optimizer that skipped initialize", raw, scaled_step(mse), RuntimeError,
+        "did not go through ampkit.initialize", where="scale_loss"),
+    Row("optimizers", "the model instead of the optimizer", lambda: init("O2"),
+        lambda e: ampkit.scale_loss(mse(e), e.model).__enter__(), TypeError,
+        "scale_loss(optimizers=...): expected an optimizer or a list of optimizers, got Tiny", where="scale_loss"),
+    Row("optimizers", "optimizers of two initialize calls", two_sessions,
+        lambda e: ampkit.scale_loss(mse(e), [e.opt, e.o2]).__enter__(), RuntimeError,
+        "the optimizers come from different ampkit.initialize calls", where="scale_loss"),
+    Row("loss_id", "1 while loss 0's delay_unscale window is open", open_window,
+        lambda e: ampkit.scale_loss(mse(e), e.opt, loss_id=1).__enter__(), RuntimeError, "still holds gradients scaled by another loss's scaler", where="scale_loss"),
+    # optimizer
+    Row("optimizer.step()", "before any backward, O2", lambda: init("O2", "adamw"), lambda e: e.opt.step(), None,
+        "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
+    Row("optimizer.step()", "before any backward, O5", lambda: init("O5", "adamw"), lambda e: e.opt.step(), None,
+        "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
+    Row("closure", "lambda: loss", lambda: init("O2"), lambda e: e.opt.step(lambda: mse(e)), RuntimeError,
+        "optimizer.step(closure): closures are not supported by ampkit", where="optimizer"),
+    Row("params", "a set", with_other, lambda e: e.opt.add_param_group({"params": set(e.others[0].parameters())}),
+        TypeError, "add_param_group(params=set)", where="optimizer"),
+    # state dicts and checkpoints
+    Row("state", "2 loss scalers, num_losses=1", lambda: init("O2"),
+        amp_load({"loss_scaler0": _scaler(), "loss_scaler1": _scaler()}), ValueError,
+        "holds 2 loss scaler(s)", where="ampkit.load_state_dict"),
+    Row("state", "'x' (not a dict)", lambda: init("O2"), amp_load("x"), TypeError,
+        "ampkit.load_state_dict(state): expected a dict, got str", where="ampkit.load_state_dict"),
+    Row("state", "key 'scaler0'", lambda: init("O2"), amp_load({"scaler0": _scaler()}), ValueError,
+        "unexpected key(s) ['scaler0']", where="ampkit.load_state_dict"),
+    Row("state", "loss_scale=-1", lambda: init("O2"), amp_load({"loss_scaler0": _scaler(-1.0)}), ValueError,
+        "loss_scaler0['loss_scale']=-1.0: expected a positive finite number", where="ampkit.load_state_dict"),
+    Row("state", "consecutive_overflows='x' in loss_scaler1", lambda: init("O2", num_losses=2, loss_scale_hysteresis=2),
+        amp_load({"loss_scaler0": _scaler(), "loss_scaler1": _scaler(consecutive_overflows="x")}), ValueError,
+        "loss_scaler1['consecutive_overflows']='x'", where="ampkit.load_state_dict"),
+    Row("state_dict", "missing key fc2.bias", lambda: init("O2"), model_load(lambda sd: sd.pop("fc2.bias")),
+        RuntimeError, 'Missing key(s) in state_dict: "fc2.bias"', where="model.load_state_dict"),
+    Row("state_dict", "extra key", lambda: init("O2"), model_load(lambda sd: sd.update(extra=torch.zeros(1))),
+        RuntimeError, 'Unexpected key(s) in state_dict: "extra"', where="model.load_state_dict"),
+    Row("state_dict", "fc1.weight of shape (7, 4)", lambda: init("O5"),
+        model_load(lambda sd: sd.update({"fc1.weight": torch.zeros(7, 4)})), RuntimeError,
+        "size mismatch for fc1.weight", where="model.load_state_dict"),
+    Row("state_dict", "another optimizer's layout (2 groups)", lambda: init("O2", "adamw"), opt_from_other_layout,
+        ValueError, "loaded state dict has a different number of parameter groups", where="optimizer.load_state_dict"),
+    Row("path", "a truncated file", with_checkpoint("truncated"),
+        lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
+        "truncated or corrupted?", where="ampkit.checkpoint.load"),
+    Row("path", "a plain torch.save(model.state_dict())", with_checkpoint("plain"),
+        lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
+        "not an ampkit checkpoint", where="ampkit.checkpoint.load"),
+    Row("path", "a checkpoint of num_losses=2", with_checkpoint("two-losses"),
+        lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
+        "initialize was called with num_losses=1", where="ampkit.checkpoint.load"),
+]
+
+
+def _state(e: Env) -> dict:
+    snap = snapshot(e.model, e.opt, grads=True)
+    st = getattr(e.opt, "_ampkit", None)
+    if st is not None:
+        snap["amp"] = [repr(s.state_dict()) for s in st.session.scalers]
+    for i, m in enumerate(e.others):
+        snap.update({f"other{i}.{k}": v for k, v in snapshot(m, grads=True).items()})
+    return snap
+
+
+def _still_usable(e: Env):
+    model = e.others[0] if isinstance(e.model, nn.parallel.DistributedDataParallel) else e.model
+    if model.fc1.weight.device.type == "meta":
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        e.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = {id(p) for p in model.parameters()}
+    if any(id(p) not in params for g in e.opt.param_groups for p in g["params"]) and not hasattr(e.opt, "_ampkit"):
+        e.opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the foreign-parameter optimizer
+    if not hasattr(model, "_ampkit"):
+        model, e.opt = ampkit.initialize(model, e.opt, opt_level="O2", verbosity=0)
+    elif getattr(e, "window_open", False):
+        e.opt.zero_grad()
+    before = snapshot(model, e.opt)
+    with ampkit.scale_loss(LOSSES[0](model(e.x), e.y), e.opt) as s:
+        s.backward()
+    e.opt.step()
+    assert "opt.params" in diff(before, snapshot(model, e.opt)) and all_finite(model, e.opt)
+
+
+@pytest.mark.parametrize("row", TABLE, ids=[r.id for r in TABLE])
+def test_bad_input(row: Row, caplog):
+    e = row.setup()
+    try:
+        _check_row(row, e, caplog)
+    finally:
+        if e.tmp is not None:
+            shutil.rmtree(e.tmp, ignore_errors=True)
+
+
+def _check_row(row: Row, e: Env, caplog):
+    before = _state(e)
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        if row.exc is None:
+            row.call(e)
+        else:
+            with pytest.raises(row.exc) as err:
+                row.call(e)
+            assert row.message in str(err.value), f"message lacks {row.message!r}:\n{err.value}"
+    after = _state(e)
+    for key in row.changes:
+        before.pop(key), after.pop(key)
+    assert_unchanged(before, after, f"after {row.id}")
+    if row.check is not None:
+        row.check(e)
+        assert any("Gradient overflow" in r.getMessage() for r in caplog.records)
+    _still_usable(e)
+
+
+def render_markdown() -> str:
+    lines = [
+        "# Bad inputs: what a user sees",
+        "",
+        "Generated from `tests/reliability/test_bad_inputs.py` (each row is a test: the exception, a",
+        "message fragment, and model/optimizer/loss scalers bit-identical and still usable afterwards).",
+        "Rows without an exception must work.",
+        "",
+        "| call | argument | bad value | exception | message (contains) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in TABLE:
+        exc = r.exc.__name__ if r.exc else "none"
+        cells = [f"`{r.where}`", f"`{r.argument}`", r.value, exc, r.message]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", f"{len(TABLE)} bad inputs.", ""]
+    return "\n".join(lines)
+
+
+def test_bad_inputs_md_matches_the_table():
+    text = render_markdown()
+    if os.environ.get("AMPKIT_WRITE_BAD_INPUTS"):
+        MD.write_text(text)
+    assert MD.read_text() == text, "BAD_INPUTS.md is stale: rerun with AMPKIT_WRITE_BAD_INPUTS=1"

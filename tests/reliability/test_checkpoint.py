@@ -1,0 +1,193 @@
+"""``ampkit.checkpoint``: truncated, corrupted or mismatched files give a clear error and
+leave model, optimizer and loss scalers exactly as they were; never a half-loaded model."""
+import os
+
+import pytest
+import torch
+
+import ampkit
+from ampkit import checkpoint
+from ampkit.checkpoint import CheckpointError
+
+from ._harness import Poison, Tiny, assert_unchanged, fixed_batch, make, snapshot, train
+
+
+def _trained(level="O2", opt_name="adamw", steps=5, seed=0, num_losses=1, **kw):
+    x, y = fixed_batch()
+    model, opt = make(opt_name, seed=seed)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0, num_losses=num_losses, **kw)
+    poison = Poison(model.fc1.weight)
+    train(model, opt, x, y, steps, {(1, 0): "inf"}, num_losses=num_losses, poison=poison)
+    return model, opt
+
+
+def _full(model, opt):
+    snap = snapshot(model, opt, grads=True)
+    snap["amp"] = [repr(s.state_dict()) for s in opt._ampkit.session.scalers]
+    return snap
+
+
+def _content(snap):
+    """The values a checkpoint carries (not object identities, hooks or gradients)."""
+    return {
+        "params": [e[:3] for e in snap["model.params"]],
+        "buffers": snap["model.buffers"],
+        "stepped": snap["opt.params"],
+        "state": snap["opt.state"],
+        "hyper": [g[1] for g in snap["opt.groups"]],
+        "amp": snap["amp"],
+    }
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, opt = _trained(steps=6, seed=0)
+    path = tmp_path / "good.ckpt"
+    checkpoint.save(path, model, opt, extra={"step": 6, "note": "x"})
+    return path, _full(model, opt)
+
+
+@pytest.fixture
+def target():
+    """A differently trained run of the same setup: the thing a bad load must not touch."""
+    model, opt = _trained(steps=3, seed=5)
+    return model, opt, _full(model, opt)
+
+
+@pytest.mark.parametrize("level", ["O0", "O2", "O3", "O5"])
+def test_round_trip_is_bit_exact_and_a_plain_torch_file(level, tmp_path):
+    model, opt = _trained(level, steps=6, seed=0, num_losses=2)
+    path = tmp_path / "c.ckpt"
+    checkpoint.save(path, model, opt, extra={"step": 6})
+    other, oopt = _trained(level, steps=2, seed=3, num_losses=2)
+    assert checkpoint.load(path, other, oopt) == {"step": 6}
+    assert_unchanged(_content(_full(model, opt)), _content(_full(other, oopt)), "loaded vs saved")
+    plain = torch.load(path, weights_only=True)["model"]  # readable without ampkit
+    fresh = Tiny()
+    fresh.load_state_dict(plain)
+    assert all(v.dtype == torch.float32 for v in plain.values())
+    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]  # no temporary file left behind
+
+
+def test_truncated_files_are_refused_and_change_nothing(saved, target, tmp_path):
+    path, _ = saved
+    data = path.read_bytes()
+    model, opt, before = target
+    for n in sorted({0, 1, 10, 100, len(data) // 3, len(data) // 2, len(data) - 100, len(data) - 1}):
+        bad = tmp_path / f"cut{n}.ckpt"
+        bad.write_bytes(data[:n])
+        with pytest.raises(CheckpointError, match=r"not a readable checkpoint.*truncated or corrupted"):
+            checkpoint.load(bad, model, opt)
+        assert_unchanged(before, _full(model, opt), f"load of a file cut at {n} bytes")
+    assert checkpoint.load(path, model, opt)["step"] == 6  # and the good file still loads into it
+
+
+def _tensor_offsets(data: bytes, saved_model: dict):
+    """Byte offsets inside the file where the raw bytes of saved tensors lie."""
+    out = []
+    for v in saved_model.values():
+        blob = v.contiguous().view(torch.uint8).numpy().tobytes()
+        at = data.find(blob)
+        if at >= 0:
+            out += [at, at + len(blob) // 2, at + len(blob) - 1]
+    return out
+
+
+def test_flipped_bytes_are_detected_or_harmless(saved, target, tmp_path):
+    path, saved_state = saved
+    data = path.read_bytes()
+    model, opt, before = target
+    inside = _tensor_offsets(data, torch.load(path, weights_only=True)["model"])
+    assert len(inside) >= 6
+    positions = sorted(set(inside + list(range(0, len(data), max(1, len(data) // 60)))))
+    refused = harmless = 0
+    for i in positions:
+        b = bytearray(data)
+        b[i] ^= 0x5A
+        bad = tmp_path / "flip.ckpt"
+        bad.write_bytes(bytes(b))
+        try:
+            checkpoint.load(bad, model, opt)
+        except CheckpointError as e:
+            refused += 1
+            assert "corrupted" in str(e) or "not an ampkit checkpoint" in str(e), str(e)
+            assert_unchanged(before, _full(model, opt), f"refused load, byte {i} flipped")
+            if i in inside:
+                assert "SHA-256" in str(e)
+        else:
+            # The flip hit bytes torch.load never reads (zip padding, a local header's CRC):
+            # then what loaded must be exactly what was saved.
+            harmless += 1
+            assert i not in inside, f"flipped tensor byte {i} loaded silently"
+            assert_unchanged(_content(saved_state), _content(_full(model, opt)), f"load with byte {i} flipped")
+            model, opt = _trained(steps=3, seed=5)  # a fresh target for the next flips
+            before = _full(model, opt)
+    assert refused >= len(inside) and refused + harmless == len(positions)
+
+
+def test_not_an_ampkit_checkpoint(target, tmp_path):
+    model, opt, before = target
+    bad = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), bad)
+    with pytest.raises(CheckpointError, match="not an ampkit checkpoint"):
+        checkpoint.load(bad, model, opt)
+    assert_unchanged(before, _full(model, opt), "load of a plain state dict")
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load(tmp_path / "missing.ckpt", model, opt)
+
+
+def test_checkpoint_of_another_setup_is_refused(tmp_path, target):
+    model, opt, before = target
+
+    class Wider(Tiny):
+        def __init__(self):
+            super().__init__(dh=7)
+
+    torch.manual_seed(0)
+    wide = Wider()
+    wopt = torch.optim.AdamW(wide.parameters(), lr=1e-2)
+    wide, wopt = ampkit.initialize(wide, wopt, opt_level="O2", verbosity=0)
+    checkpoint.save(tmp_path / "wide.ckpt", wide, wopt)
+    with pytest.raises(CheckpointError, match=r"model\['fc1.weight'\] has shape \(7, 4\), the model has \(6, 4\)"):
+        checkpoint.load(tmp_path / "wide.ckpt", model, opt)
+    two, topt = _trained(steps=2, num_losses=2)
+    checkpoint.save(tmp_path / "two.ckpt", two, topt)
+    with pytest.raises(CheckpointError, match=r"num_losses=1"):
+        checkpoint.load(tmp_path / "two.ckpt", model, opt)
+    assert_unchanged(before, _full(model, opt), "refused loads")
+
+
+def test_failure_while_applying_rolls_everything_back(saved, target, monkeypatch):
+    path, _ = saved
+    model, opt, before = target
+
+    real, calls = type(opt).load_state_dict, []
+
+    def broken(self, state_dict):  # fails once: after the model was already loaded
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("disk hiccup")
+        return real(self, state_dict)
+
+    monkeypatch.setattr(type(opt), "load_state_dict", broken)
+    with pytest.raises(CheckpointError, match="applying the checkpoint failed, nothing was changed.*disk hiccup"):
+        checkpoint.load(path, model, opt)
+    monkeypatch.undo()
+    assert len(calls) == 2  # the failed apply, then the rollback
+    assert_unchanged(before, _full(model, opt), "rolled-back load")
+
+
+def test_a_failed_save_keeps_the_previous_file(saved, monkeypatch):
+    path, _ = saved
+    model, opt = _trained(steps=2, seed=9)
+    old = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path, model, opt)
+    monkeypatch.undo()
+    assert path.read_bytes() == old
+    assert sorted(p.name for p in path.parent.iterdir()) == ["good.ckpt"]
