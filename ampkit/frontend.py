@@ -290,7 +290,7 @@ def initialize(
     for opt in opt_list:
         OptimizerState(opt, session, use_masters, model_states).attach()
     _current = session
-    _report(session, defaults, applied, notes, model_list)
+    _report(session, defaults, applied, notes, opt_list, use_masters)
     if ddp:
         model_list = [_wrap_ddp(m, props, ddp_kwargs or {}) for m in model_list]
         models = model_list[0] if single_model else model_list
@@ -336,7 +336,7 @@ def _wrap_ddp(model, props, ddp_kwargs):
     return DistributedDataParallel(model, **kwargs)
 
 
-def _report(session: Session, defaults, applied, notes, models) -> None:
+def _report(session: Session, defaults, applied, notes, optimizers, use_masters: bool) -> None:
     if session.verbosity == 0:
         return
     props = session.properties
@@ -348,6 +348,14 @@ def _report(session: Session, defaults, applied, notes, models) -> None:
     lines += [f"{k:24}: {opt_levels._show(v)}" for k, v in props.rows()]
     lines += ["Note: " + n for n in notes]
     session.log("\n".join(lines))
+    half = props.cast_model_type if props.cast_model_type in opt_levels.HALF_DTYPES else None
+    if half is not None and not use_masters:
+        for opt in optimizers:
+            eps = [g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), float)]
+            if eps and torch.tensor(min(eps), dtype=half).item() == 0.0:
+                session.log("%s eps=%s rounds to 0 in %s and the optimizer steps on %s weights (no master "
+                            "weights at %s): expect inf/NaN updates; use master_weights=True or a larger eps.",
+                            type(opt).__name__, min(eps), half, half, props.opt_level, level=logging.WARNING)
     uses_fp16 = props.cast_model_type == torch.float16 or (props.patch_torch_functions and props.half_dtype == torch.float16)
     key = (session.device_type, "float16")
     if uses_fp16 and session.device_type != "cuda" and key not in _reported:

@@ -416,3 +416,12 @@ def test_scale_loss_before_initialize_and_bad_loss_id(device):
     with pytest.raises(ValueError, match=r"expected a scalar .*got \(2, 4\)"):
         with ampkit.scale_loss(model(torch.randn(2, 8, device=device)), opt):
             pass
+
+
+def test_warns_when_adam_eps_vanishes_in_half_without_masters(caplog):
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        ampkit.initialize(model, opt, opt_level="O3")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Adam eps=1e-08 rounds to 0 in torch.float16" in warnings[0]
