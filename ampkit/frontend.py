@@ -60,9 +60,13 @@ class Session:
     def finish_backward(self, state: OptimizerState) -> None:
         """Before ``step``: unscale delayed gradients and resolve pending overflow checks."""
         if state.scaled_by is not None:
-            check = OverflowCheck(self, state.scaled_by, [state])
-            state.unscale(1.0 / state.scaled_by.loss_scale(), check.found_inf)
-            state.pending.append(check)
+            scaler = state.scaled_by
+            window = [st for st in state.window if st.scaled_by is scaler]
+            check = OverflowCheck(self, scaler, window)
+            for st in window:
+                st.unscale(1.0 / scaler.loss_scale(), check.found_inf)
+                st.pending.append(check)
+                st.window = [st]
         if state.masters and any(p.grad is not None for p in state.masters):
             check = OverflowCheck(self, None, [state])
             state.adopt_raw_grads(check.found_inf)
@@ -279,7 +283,9 @@ def initialize(
     session = Session(True, props, verbosity=verbosity, device_type=device_type)
     _check_optimizers(opt_list, model_list, session, use_masters)
 
-    # Everything is valid: from here on, modify.
+    # Everything is valid: from here on, modify. Masters start from the fp32 values, not
+    # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).
+    originals = {p: p.data for m in model_list for p in m.parameters()} if use_masters else {}
     for m in model_list:
         _prepare_model(m, props, cast_model_outputs)
     model_states = [m._ampkit for m in model_list]
@@ -288,7 +294,8 @@ def initialize(
         for _ in range(num_losses)
     ]
     for opt in opt_list:
-        OptimizerState(opt, session, use_masters, model_states).attach()
+        OptimizerState(opt, session, use_masters, model_states, originals).attach()
+    originals.clear()
     _current = session
     _report(session, defaults, applied, notes, opt_list, use_masters)
     if ddp:
@@ -405,6 +412,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     scale = scaler.loss_scale()
     yield loss.float() * scale if scale != 1.0 else loss.float()
     if delay_unscale:
+        window = list({id(w): w for st in states for w in st.window + [st]}.values())
+        for st in window:
+            st.window = window
         for st in states:
             st.scaled_by = scaler
         return
@@ -412,16 +422,18 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     for st in states:
         st.unscale(1.0 / scale, check.found_inf)
         st.pending.append(check)
+        st.window = [st]
     if not delay_overflow_check:
         check.resolve()
 
 
 def _session_of(opts) -> Session:
-    sessions = {id(o._ampkit.session): o._ampkit.session for o in opts if getattr(o, "_ampkit", None) is not None}
-    if len(sessions) == len(opts) and len(sessions) == 1:
-        return next(iter(sessions.values()))
+    states = [getattr(o, "_ampkit", None) for o in opts]
+    sessions = {id(st.session): st.session for st in states if st is not None}
     if len(sessions) > 1:
         raise RuntimeError("scale_loss: the optimizers come from different ampkit.initialize calls; pass them to one initialize.")
+    if sessions and all(st is not None for st in states):
+        return next(iter(sessions.values()))
     if not sessions and _current is not None and not _current.enabled:
         return _current
     raise RuntimeError(

@@ -6,10 +6,12 @@ Unlike a closure assigned to ``model.forward`` this survives ``copy.deepcopy``,
 pickling, ``torch.compile`` and DataParallel replication, and ``isinstance`` checks
 against the original class still hold. ``model._ampkit`` is a :class:`ModelState`.
 """
+from collections.abc import Mapping
 from typing import Dict, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .casting import cast_tree
 from .opt_levels import HALF_DTYPES
@@ -32,55 +34,103 @@ class ModelState:
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
-        self.counting_keys = False
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
 
+    def replace_param(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Module surgery put ``new`` in the model where ``old`` was."""
+        self.masters.pop(old, None)
+        if id(old) in self._param_ids:
+            self._param_ids.discard(id(old))
+            self._param_ids.add(id(new))
+
+
+def _hooked(module: nn.Module) -> bool:
+    """True when ``attach`` installed ampkit's hooks on ``module``."""
+    return any(isinstance(h, _Float32StateDict) for h in module._state_dict_hooks.values())
+
+
+def _own_tree(module: nn.Module, prefix: str):
+    """``(module, prefix)`` for ``module`` and the descendants no hooked module below it covers.
+
+    Modules inserted after ``initialize`` (module surgery) carry no hooks of their own; the
+    nearest hooked ancestor handles their parameters and buffers. Each parameter is thus
+    handled exactly once per ``state_dict``/``load_state_dict`` call, in O(model) total.
+    """
+    yield module, prefix
+    stack = [(c, prefix + n + ".") for n, c in module._modules.items() if c is not None]
+    while stack:
+        m, p = stack.pop()
+        if _hooked(m):
+            continue
+        yield m, p
+        stack.extend((c, p + n + ".") for n, c in m._modules.items() if c is not None)
+
 
 class _Float32StateDict:
-    """State-dict hook: half tensors are saved as float32; mastered params as their master."""
+    """State-dict hook: half tensors are saved as float32; mastered params as their master.
+
+    With ``keep_vars=True`` the entries are the parameters and buffers themselves and are
+    left alone.
+    """
 
     def __init__(self, state: ModelState):
         self.state = state
 
     def __call__(self, module, state_dict, prefix, local_metadata):
-        if self.state.counting_keys:
-            return
-        for name, p in module._parameters.items():
-            key = prefix + name
-            if p is None or key not in state_dict or isinstance(state_dict[key], nn.Parameter):
-                continue
-            master = self.state.masters.get(p)
-            if master is not None:
-                state_dict[key] = master.detach()
-            elif p.dtype in HALF_DTYPES:
-                state_dict[key] = state_dict[key].float()
-        for name, b in module._buffers.items():
-            key = prefix + name
-            if b is not None and key in state_dict and b.dtype in HALF_DTYPES:
-                state_dict[key] = state_dict[key].float()
+        masters = self.state.masters
+        for mod, pre in _own_tree(module, prefix):
+            for name, p in mod._parameters.items():
+                key = pre + name
+                if p is None or key not in state_dict or state_dict[key] is p:
+                    continue
+                master = masters.get(p)
+                if master is not None:
+                    state_dict[key] = master.detach()
+                elif state_dict[key].dtype in HALF_DTYPES:
+                    state_dict[key] = state_dict[key].float()
+            for name, b in mod._buffers.items():
+                key = pre + name
+                if b is None or key not in state_dict or state_dict[key] is b:
+                    continue
+                if state_dict[key].dtype in HALF_DTYPES:
+                    state_dict[key] = state_dict[key].float()
 
 
 class _MasterLoadSync:
-    """Load hooks: a loaded value goes into the fp32 master exactly, not via the half copy."""
+    """Load hooks: a loaded value goes into the fp32 master exactly, not via the half copy.
+
+    ``before`` (ahead of the module's own load) records (master, loaded value) pairs for
+    the parameters it covers; ``after`` (once the module and its children are loaded)
+    copies them, so master and half parameter change together or not at all.
+    """
 
     def __init__(self, state: ModelState):
         self.state = state
         self.incoming = []
 
     def before(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        for name, p in module._parameters.items():
-            master = self.state.masters.get(p)
-            value = state_dict.get(prefix + name)
-            if master is not None and torch.is_tensor(value) and value.shape == master.shape:
-                self.incoming.append((master, value))
+        self.incoming = []
+        masters = self.state.masters
+        if not masters:
+            return
+        for mod, pre in _own_tree(module, prefix):
+            for name, p in mod._parameters.items():
+                master = masters.get(p) if p is not None else None
+                value = state_dict.get(pre + name)
+                if master is None or not torch.is_tensor(value):
+                    continue
+                if master.dim() == 0 and value.shape == (1,):  # torch loads these too (old checkpoints)
+                    value = value[0]
+                if value.shape == master.shape:
+                    self.incoming.append((master, value))
 
     def after(self, module, incompatible_keys):
+        incoming, self.incoming = self.incoming, []
         with torch.no_grad():
-            for master, value in self.incoming:
+            for master, value in incoming:
                 master.copy_(value)
-        self.incoming.clear()
 
 
 class AmpModule:
@@ -101,8 +151,19 @@ class AmpModule:
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, but a strict load with wrong keys or shapes changes nothing."""
-        if strict:
+        """``nn.Module.load_state_dict``, but a strict load with wrong keys or shapes changes nothing.
+
+        Float32 or half values are accepted and cast to the model's dtypes; parameters with
+        fp32 masters get the loaded values in the master exactly (see ``_MasterLoadSync``).
+        """
+        if assign:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict(assign=True): not supported on a model passed through "
+                f"ampkit.initialize; assigning would replace the parameters its optimizer (and their fp32 "
+                f"master weights) hold and undo the model's casting. Use assign=False (the default): values "
+                f"are copied into the existing parameters and cast to their dtypes."
+            )
+        if strict and isinstance(state_dict, Mapping):
             _check_loadable(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
@@ -110,27 +171,88 @@ class AmpModule:
         return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
 
 
-def _check_loadable(model: nn.Module, state_dict) -> None:
-    st: ModelState = model._ampkit
-    st.counting_keys = True
-    try:
-        own = model.state_dict(keep_vars=True)
-    finally:
-        st.counting_keys = False
-    errors = []
-    unexpected = [k for k in state_dict if k not in own]
-    missing = [k for k in own if k not in state_dict and not k.endswith("num_batches_tracked")]
+_STANDARD_LOADERS = (nn.Module._load_from_state_dict, _BatchNorm._load_from_state_dict)
+
+
+def _predictable(module: nn.Module) -> bool:
+    """Whether ``_check_loadable`` can tell in advance what torch's load of ``module`` will report."""
+    if type(module)._load_from_state_dict not in _STANDARD_LOADERS:
+        return False
+    hooks = list(module._load_state_dict_pre_hooks.values()) + list(module._load_state_dict_post_hooks.values())
+    return all(isinstance(getattr(getattr(h, "hook", h), "__self__", None), _MasterLoadSync) for h in hooks)
+
+
+def _load_errors(model: nn.Module, state_dict: Mapping) -> list:
+    """The errors a strict ``nn.Module.load_state_dict`` would report, in its order and words."""
+    metadata = getattr(state_dict, "_metadata", None)
+    missing, unexpected, errors = [], [], []
+
+    def visit(module, prefix, keys):
+        local = {k: v for k, v in module._parameters.items() if v is not None}
+        local.update(
+            (k, v) for k, v in module._buffers.items() if v is not None and k not in module._non_persistent_buffers_set
+        )
+        filled = set()
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
+            version = None if metadata is None else metadata.get(prefix[:-1], {}).get("version")
+            if version is None or version < 2:  # torch fills in num_batches_tracked for old checkpoints
+                filled.add(prefix + "num_batches_tracked")
+        for name, mine in local.items():
+            key = prefix + name
+            if key not in state_dict:
+                if key not in filled:
+                    missing.append(key)
+                continue
+            value = state_dict[key]
+            if not torch.overrides.is_tensor_like(value):
+                errors.append(
+                    f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object '
+                    f"from checkpoint but received {type(value)}"
+                )
+                continue
+            if nn.parameter.is_lazy(mine):
+                continue
+            shape = value.shape
+            if len(mine.shape) == 0 and len(shape) == 1:
+                shape = value[0].shape
+            if shape != mine.shape:
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                    f"the shape in current model is {mine.shape}."
+                )
+        extra = prefix + "_extra_state"
+        if type(module).get_extra_state is not nn.Module.get_extra_state and extra not in state_dict:
+            missing.append(extra)
+        for key in keys:
+            if key.startswith(prefix) and key != extra:
+                name = key[len(prefix):].split(".", 1)
+                if len(name) > 1:
+                    if name[0] not in module._modules:
+                        unexpected.append(key)
+                elif name[0] not in local:
+                    unexpected.append(key)
+        for name, child in module._modules.items():
+            if child is not None:
+                child_prefix = prefix + name + "."
+                visit(child, child_prefix, [k for k in keys if k.startswith(child_prefix)])
+
+    visit(model, "", list(state_dict.keys()))
     if unexpected:
-        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+        errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
     if missing:
         errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
-    for key, value in state_dict.items():
-        mine = own.get(key)
-        if torch.is_tensor(value) and torch.is_tensor(mine) and value.shape != mine.shape:
-            errors.append(
-                f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
-                f"the shape in current model is {mine.shape}."
-            )
+    return errors
+
+
+def _check_loadable(model: nn.Module, state_dict: Mapping) -> None:
+    """Raise PyTorch's own error for a strict load that would fail, before anything is copied.
+
+    Skipped (torch then reports as usual) when a module loads in a way that cannot be
+    predicted: a custom ``_load_from_state_dict``, or load hooks other than ampkit's.
+    """
+    if not all(_predictable(m) for m in model.modules()):
+        return
+    errors = _load_errors(model, state_dict)
     if errors:
         raise RuntimeError(
             "Error(s) in loading state_dict for {}:\n\t{}".format(type(model).__name__, "\n\t".join(errors))

@@ -4,6 +4,7 @@ The optimizer keeps its identity and class; ``step``, ``zero_grad`` and
 ``add_param_group`` are wrapped on the instance (as LR schedulers do), and everything
 ampkit needs lives in ``optimizer._ampkit``, an :class:`OptimizerState`.
 """
+import functools
 import types
 from typing import Dict, List, Optional
 
@@ -32,8 +33,12 @@ def _copy_(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
             torch._foreach_copy_(d, s)
 
 
-def _make_master(param: torch.Tensor) -> torch.Tensor:
-    master = param.detach().clone().float()
+def _make_master(param: torch.Tensor, original: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An fp32 leaf copy of ``param``; from its pre-cast fp32 value when one is given."""
+    if original is not None and original.dtype == torch.float32 and original.shape == param.shape:
+        master = original.detach()
+    else:
+        master = param.detach().clone().float()
     master.requires_grad_(param.requires_grad)
     return master
 
@@ -58,11 +63,13 @@ class OptimizerState:
       ``skip`` is the id of the loss whose overflow cancels the next ``step()``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, session, use_masters: bool, model_states):
+    def __init__(self, optimizer: torch.optim.Optimizer, session, use_masters: bool, model_states, originals=None):
         self.optimizer = optimizer
         self.session = session
         self.use_masters = use_masters
         self.model_states = model_states
+        self.originals = {} if originals is None else originals  # param -> its fp32 tensor before the cast
+        self.window: List["OptimizerState"] = [self]  # optimizers sharing a delay_unscale window
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self.owner: Dict[torch.Tensor, torch.Tensor] = {}
         self.scaled_by = None
@@ -78,26 +85,52 @@ class OptimizerState:
         """Create masters for the half parameters and wrap the optimizer's methods."""
         opt = self.optimizer
         for group in opt.param_groups:
-            group["params"] = self._with_masters(group["params"])
+            group["params"], new = self._with_masters(group["params"])
+            self._register_all(new)
         opt._ampkit = self
-        opt.step = types.MethodType(_step, opt)
+        opt.step = _wrapped_step(opt, self._step)
         opt.zero_grad = types.MethodType(_zero_grad, opt)
         opt.add_param_group = types.MethodType(_add_param_group, opt)
 
-    def _with_masters(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _existing_master(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The master another optimizer of the same models already made for ``param``."""
+        for ms in self.model_states:
+            master = ms.masters.get(param)
+            if master is not None:
+                return master
+        return None
+
+    def _with_masters(self, params: List[torch.Tensor]):
+        """``params`` with every half parameter replaced by its fp32 master, and the new
+        ``(param, master)`` pairs; nothing is registered yet (see :meth:`_register_all`).
+
+        A parameter listed twice gets one master; one that another optimizer of the same
+        models already masters shares that master (as two optimizers would share a plain
+        parameter). Optimizer state the parameter already has moves to the master, in fp32.
+        """
         if not self.use_masters:
-            return list(params)
-        out = []
+            return list(params), []
+        out, new, made = [], [], {}
         for p in params:
             if p.is_floating_point() and p.dtype in HALF_DTYPES:
-                master = _make_master(p)
-                if p in self.optimizer.state:
-                    self.optimizer.state[master] = _state_to_fp32(self.optimizer.state.pop(p))
-                self._register(p, master)
+                master = made.get(p)
+                if master is None:
+                    master = self._existing_master(p)
+                    if master is None:
+                        master = _make_master(p, self.originals.pop(p, None))
+                    made[p] = master
+                    new.append((p, master))
                 out.append(master)
             else:
                 out.append(p)
-        return out
+        return out, new
+
+    def _register_all(self, pairs) -> None:
+        opt_state = self.optimizer.state
+        for p, master in pairs:
+            if p in opt_state and master not in opt_state:
+                opt_state[master] = _state_to_fp32(opt_state.pop(p))
+            self._register(p, master)
 
     def _register(self, param, master) -> None:
         self.masters[param] = master
@@ -107,14 +140,23 @@ class OptimizerState:
                 ms.masters[param] = master
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Module surgery replaced model parameter ``old`` with ``new``: follow it."""
+        """Module surgery replaced model parameter ``old`` with ``new``: follow it.
+
+        A mastered parameter keeps its master (and with it the optimizer state). The master
+        keeps its fp32 value when ``new`` holds the same (rounded) values as ``old`` did, and
+        takes ``new``'s values when the replacement changed them. The models that owned
+        ``old`` now own ``new``, so checkpoints and loads keep going through the master.
+        """
+        for ms in self.model_states:
+            if ms.owns(old):
+                ms.replace_param(old, new)
         master = self.masters.pop(old, None)
         if master is not None:
             del self.owner[master]
-            for ms in self.model_states:
-                ms.masters.pop(old, None)
             with torch.no_grad():
-                master.copy_(new.detach())
+                same = new.shape == master.shape and new.device == master.device
+                if not (same and torch.equal(master.to(new.dtype), new.detach())):
+                    master.copy_(new.detach())
             self._register(new, master)
             return
         for group in self.optimizer.param_groups:
@@ -200,6 +242,23 @@ class OptimizerState:
             _copy_(list(self.masters), list(self.masters.values()))
 
 
+def _wrapped_step(optimizer, previous):
+    """``optimizer.step`` for the instance: a bound method, unless an LR scheduler created
+    before ``initialize`` had already wrapped ``step``; then a function that keeps the
+    scheduler's marker, so the scheduler still sees ``step`` as called (skipped steps too)
+    and does not warn that ``step`` was overridden."""
+    if not getattr(previous, "_wrapped_by_lr_sched", False):
+        return types.MethodType(_step, optimizer)
+
+    @functools.wraps(_step)
+    def step(closure=None):
+        optimizer._opt_called = True
+        return _step(optimizer, closure)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
 def _step(optimizer, closure=None):
     """``optimizer.step()``: skipped after an overflow; masters copied into the model after."""
     state: OptimizerState = optimizer._ampkit
@@ -235,8 +294,16 @@ def _zero_grad(optimizer, set_to_none: bool = True):
 
 
 def _add_param_group(optimizer, param_group: dict):
-    """``optimizer.add_param_group()``: half parameters of the new group get masters too."""
+    """``optimizer.add_param_group()``: half parameters of the new group get masters too.
+
+    Everything is checked before anything changes: the devices (with master weights the
+    whole optimizer must stay on one device), parameters the optimizer already holds
+    (PyTorch's own duplicate check cannot see them once they are behind masters), and
+    then PyTorch's own checks; the masters are registered only once the group is in.
+    """
     state: OptimizerState = optimizer._ampkit
+    if not isinstance(param_group, dict):
+        raise TypeError(f"add_param_group(param_group=...): expected a dict, got {type(param_group).__name__}.")
     params = param_group["params"]
     if isinstance(params, torch.Tensor):
         params = [params]
@@ -245,6 +312,19 @@ def _add_param_group(optimizer, param_group: dict):
             "add_param_group(params=set): parameters need an ordered collection (a list); "
             "the order of a set changes between runs."
         )
-    state.session.check_devices(list(params), state.use_masters)
-    param_group = dict(param_group, params=state._with_masters(list(params)))
-    return state._add_param_group(param_group)
+    else:
+        params = list(params)
+    named = [isinstance(p, tuple) for p in params]
+    tensors = [p[1] if is_named else p for p, is_named in zip(params, named)]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(t))
+    held = set(state.step_params()) | set(state.masters)
+    if any(t in held for t in tensors):
+        raise ValueError("some parameters appear in more than one parameter group")
+    state.session.check_devices(state.step_params() + tensors, state.use_masters)
+    stepped, new = state._with_masters(tensors)
+    stepped = [(p[0], s) if is_named else s for p, s, is_named in zip(params, stepped, named)]
+    result = state._add_param_group(dict(param_group, params=stepped))
+    state._register_all(new)
+    return result
