@@ -1,0 +1,77 @@
+"""Run a function on N local worker processes joined by a gloo process group, with bounds.
+
+``run(fn, n, *args)`` spawns ``n`` processes; rank ``r`` calls ``fn(r, n, *args)`` inside
+an initialized gloo process group (file rendezvous, so no port can be taken by someone
+else) and its return value comes back through ``torch.save``. Nothing hangs: the process
+group has a small timeout, and workers still alive at the deadline are killed.
+"""
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from multiprocessing import get_context
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerError(AssertionError):
+    """A worker raised, died or hung; the message holds every rank's outcome."""
+
+
+def _worker(fn, rank, world_size, tmp, pg_timeout, args):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        outcome = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException as e:  # reported to the parent, never swallowed
+        outcome = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    outcome["exit_time"] = time.time()
+    torch.save(outcome, f"{tmp}/{rank}.pt")
+    if outcome["ok"]:
+        dist.destroy_process_group()
+    os._exit(0 if outcome["ok"] else 1)  # a failed rank leaves at once; its peers see it go
+
+
+def launch(fn, world_size, *args, timeout=60.0, pg_timeout=30.0):
+    """Every rank's outcome: ``{"ok", "value" | "error", "traceback", "exit_time"}``, or ``{"ok": False, "error": "hung"/"died"}``."""
+    ctx = get_context("spawn")
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, pg_timeout, args)) for r in range(world_size)]
+            for p in procs:
+                p.start()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        outcomes = []
+        for r, p in enumerate(procs):
+            hung = p.is_alive()
+            if hung:
+                p.kill()
+                p.join()
+            path = f"{tmp}/{r}.pt"
+            if os.path.exists(path):
+                outcomes.append(torch.load(path, weights_only=False))
+            else:
+                outcomes.append({"ok": False, "error": "hung" if hung else f"died (exit code {p.exitcode})"})
+    return outcomes
+
+
+def run(fn, world_size, *args, timeout=60.0, pg_timeout=30.0):
+    """Every rank's return value; raise :class:`WorkerError` if any rank failed."""
+    outcomes = launch(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout)
+    if not all(o["ok"] for o in outcomes):
+        raise WorkerError("\n".join(f"rank {r}: {o.get('traceback') or o['error']}" for r, o in enumerate(outcomes)))
+    return [o["value"] for o in outcomes]
