@@ -74,6 +74,7 @@ class OptimizerState:
         self.owner: Dict[torch.Tensor, torch.Tensor] = {}
         self.scaled_by = None
         self.stash: Dict[torch.Tensor, torch.Tensor] = {}
+        self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}  # master -> reusable fp32 grad
         self.pending: List = []
         self.skip: Optional[int] = None
         self._step = optimizer.step
@@ -185,12 +186,13 @@ class OptimizerState:
     def unscale(self, inv_scale: float, found_inf: dict) -> None:
         """Turn the scaled gradients of the last backward into clean ones."""
         self.scaled_by = None
-        fresh, targets = [], []
+        half, targets = [], []
         for p, m in self.masters.items():
             if p.grad is not None:
-                fresh.append(p.grad.float())
+                half.append(p.grad)
                 targets.append(m)
                 p.grad = None
+        fresh = self._fp32_copies(half, targets)
         plain = [p for p in self.step_params() if p not in self.owner and p.grad is not None]
         unscale_and_check_(fresh + [p.grad for p in plain], inv_scale, found_inf)
         self._accumulate(targets, fresh)
@@ -208,6 +210,25 @@ class OptimizerState:
                 torch._foreach_add_(dst, src)
         self.stash.clear()
 
+    def _fp32_copies(self, half_grads, targets) -> List[torch.Tensor]:
+        """fp32 copies of ``half_grads`` (one fused copy per device).
+
+        A master whose ``.grad`` is free gets its copy in a buffer kept across steps:
+        allocating tens of MB of fresh memory every step costs more in page faults than
+        the copy itself. While accumulating, a temporary copy is added to the master grad.
+        """
+        out = []
+        for m in targets:
+            if m.grad is None:
+                buf = self._grad_buffers.get(m)
+                if buf is None:
+                    buf = self._grad_buffers[m] = torch.empty_like(m)
+                out.append(buf)
+            else:
+                out.append(torch.empty_like(m))
+        _copy_(out, half_grads)
+        return out
+
     @staticmethod
     def _accumulate(targets, grads) -> None:
         add_to, add_from = [], []
@@ -224,7 +245,7 @@ class OptimizerState:
         """Move half gradients produced outside ``scale_loss`` into the masters, unscaled."""
         raw = [(p, m) for p, m in self.masters.items() if p.grad is not None]
         if raw:
-            fresh = [p.grad.float() for p, _ in raw]
+            fresh = self._fp32_copies([p.grad for p, _ in raw], [m for _, m in raw])
             unscale_and_check_(fresh, 1.0, found_inf)
             self._accumulate([m for _, m in raw], fresh)
             for p, _ in raw:
