@@ -1,0 +1,57 @@
+"""The ``ampkit`` command: ``ampkit demo`` and ``ampkit levels``."""
+import argparse
+from typing import List, Optional
+
+import torch
+
+from . import opt_levels
+
+
+def _levels(text: str) -> List[str]:
+    levels = [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        return [opt_levels.check_opt_level(lvl) for lvl in levels] or list(opt_levels.OPT_LEVELS)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("initialize(opt_level=", "--levels (")) from None
+
+
+def _steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ampkit", description="Apex-style mixed precision (O0-O5) on modern PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train the built-in models at every opt level and print one table")
+    demo.add_argument("--levels", type=_levels, default=list(opt_levels.OPT_LEVELS), help="comma-separated, e.g. O0,O5 (default: all)")
+    demo.add_argument("--steps", type=_steps, default=30, help="training steps per model and level (default: 30)")
+    demo.add_argument("--model", choices=["all", "lm", "cnn"], default="all",
+                      help="lm: tiny transformer LM; cnn: small BatchNorm conv net (default: all)")
+    demo.add_argument("--device", type=_device, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    demo.add_argument("--json", metavar="PATH", help="also write the machine description and the rows as JSON")
+    sub.add_parser("levels", help="print the opt-level property table")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "levels":
+        print(opt_levels.format_table())
+        return 0
+    from . import demo
+
+    models = demo.MODELS if args.model == "all" else (args.model,)
+    demo.main(args.levels, args.steps, models, args.device, args.json)
+    return 0

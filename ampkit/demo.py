@@ -1,0 +1,281 @@
+"""``python -m ampkit demo``: train the built-in models at every opt level, compare in one table.
+
+Each (model, level) run trains in its own fresh process (forked from a server that has
+already imported torch), so its peak memory is its own: the resident-set high-water
+mark above the process's resident set just before the model was built (on CUDA: the
+peak of ``torch.cuda.max_memory_allocated``). Steps/s leaves out the first step
+(kernel selection and one-time allocations). Every level starts from the same seeded
+weights and sees the same batches.
+"""
+import itertools
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import sys
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+from .frontend import current_session
+
+LEVELS = tuple(ampkit.OPT_LEVELS)
+MODELS = ("lm", "cnn")
+DEMO_LM = LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16)
+DEMO_CNN = dict(width=16, size=16, batch=32)
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+# --- isolation: one fresh process per run ----------------------------------------------
+
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+_CTX = multiprocessing.get_context(_start_method())
+if _CTX.get_start_method() == "forkserver":
+    # torch.optim imports torch._dynamo on first use (seconds): pay that once, in the server.
+    _CTX.set_forkserver_preload(["ampkit.demo", "torch._dynamo"])
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send(("result", fn(*args, report=lambda *msg: conn.send(("progress", msg)))))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def isolated(fn: Callable, *args, report: Optional[Callable] = None):
+    """``fn(*args, report=...)`` in a fresh process; its ``report(...)`` calls reach ``report`` here.
+
+    ``fn`` must be importable (module level). Returns what ``fn`` returns; an exception
+    in the process is raised here as a RuntimeError carrying the worker's traceback.
+    """
+    receive, send = _CTX.Pipe(duplex=False)
+    proc = _CTX.Process(target=_child, args=(send, fn, args))
+    proc.start()
+    send.close()
+    try:
+        while True:
+            try:
+                kind, value = receive.recv()
+            except EOFError:
+                proc.join()
+                raise RuntimeError(f"{fn.__name__}: worker process died (exit code {proc.exitcode})") from None
+            if kind == "progress":
+                if report is not None:
+                    report(*value)
+            elif kind == "result":
+                return value
+            else:
+                raise RuntimeError(f"{fn.__name__} failed in its worker process:\n{value}")
+    finally:
+        receive.close()
+        proc.join()
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (``getrusage``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class MemoryMeter:
+    """Peak memory from construction on: the rise of CUDA's peak allocated, or of the RSS high-water mark."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.device = device.type == "cuda", device
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        self.base = torch.cuda.memory_allocated(device) if self.cuda else peak_rss_bytes()
+
+    def peak_mib(self) -> float:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else peak_rss_bytes()
+        return (peak - self.base) / 2**20
+
+
+# --- one training run -------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _batches(model_name: str):
+    if model_name == "lm":
+        return lm_batches(DEMO_LM, 8)
+    return image_batches(8, DEMO_CNN["batch"], DEMO_CNN["size"])
+
+
+def _model(model_name: str):
+    """(model, SGD optimizer, loss function), seeded: every level starts from the same weights."""
+    torch.manual_seed(0)
+    if model_name == "lm":
+        model, loss_fn, lr = TinyLM(DEMO_LM), lm_loss, 0.3
+    else:
+        model, loss_fn, lr = ConvNet(DEMO_CNN["width"]), F.cross_entropy, 0.05
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), loss_fn
+
+
+def _dtypes(tensors) -> str:
+    """Dtypes by share of elements, e.g. ``fp16+fp32`` (BatchNorm kept fp32)."""
+    numel: Dict[torch.dtype, int] = {}
+    for t in tensors:
+        numel[t.dtype] = numel.get(t.dtype, 0) + t.numel()
+    return "+".join(SHORT.get(d, str(d)) for d in sorted(numel, key=numel.get, reverse=True))
+
+
+def train(model_name: str, level: str, steps: int, device: str = "cpu", report: Optional[Callable] = None) -> dict:
+    """Train ``model_name`` at ``level`` for ``steps`` steps; return one row of the table."""
+    dev = torch.device(device)
+    batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name)]
+    meter = MemoryMeter(dev)
+    model, optimizer, loss_fn = _model(model_name)
+    model, optimizer = ampkit.initialize(model.to(dev), optimizer, opt_level=level, verbosity=0)
+    losses, start = [], time.perf_counter()
+    for step, (x, y) in zip(range(steps), itertools.cycle(batches)):
+        if step == 1:
+            _sync(dev)
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        with ampkit.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        if report is not None:
+            report(step + 1)
+    _sync(dev)
+    seconds = time.perf_counter() - start
+    scaler = current_session("demo").scalers[0]
+    props = current_session("demo").properties
+    losses = torch.stack(losses).float().tolist()
+    return {
+        "model": model_name,
+        "level": level,
+        "weights": _dtypes(model.parameters()),
+        "compute": SHORT[props.half_dtype] if props.patch_torch_functions else _dtypes(model.parameters()).split("+")[0],
+        "masters": "fp32" if optimizer._ampkit.masters else "-",
+        "steps_per_s": max(steps - 1, 1) / seconds,
+        "peak_mib": meter.peak_mib(),
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "skipped_steps": scaler.skipped_steps,
+        "loss_scale": scaler.loss_scale(),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the whole demo ---------------------------------------------------------------------
+
+def machine(device: torch.device) -> dict:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "device": str(device),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per finished run when stderr is not a terminal)."""
+
+    def __init__(self, total_runs: int, steps: int, stream=sys.stderr):
+        self.total, self.steps, self.stream = total_runs, steps, stream
+        self.tty = stream.isatty()
+        self.run = 0
+
+    def start(self, label: str) -> None:
+        self.run += 1
+        self.label = f"[{self.run:2d}/{self.total}] {label}"
+        self.started = time.perf_counter()
+
+    def step(self, done: int) -> None:
+        if self.tty:
+            bar = "#" * (24 * done // self.steps)
+            self.stream.write(f"\r{self.label}  {bar:<24} {done}/{self.steps} steps")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        line = f"{self.label}  done in {time.perf_counter() - self.started:.1f} s"
+        self.stream.write(("\r" + line + "\033[K\n") if self.tty else line + "\n")
+        self.stream.flush()
+
+
+def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", progress: bool = True) -> List[dict]:
+    """Train every model at every level, each in a fresh process; return the rows."""
+    dev = resolve_device(device)
+    bar = Progress(len(levels) * len(models), steps) if progress else None
+    rows = []
+    for model_name in models:
+        for level in levels:
+            if bar:
+                bar.start(f"{model_name:3} {level}")
+            rows.append(isolated(train, model_name, level, steps, str(dev), report=bar.step if bar else None))
+            if bar:
+                bar.finish()
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["level"] == "O0"), None)
+        row["speedup"] = row["steps_per_s"] / base["steps_per_s"] if base else None
+    return rows
+
+
+COLUMNS = [
+    ("model", "model", "{}"), ("level", "level", "{}"), ("weights", "weights", "{}"),
+    ("compute", "compute", "{}"), ("masters", "masters", "{}"), ("steps/s", "steps_per_s", "{:.1f}"),
+    ("vs O0", "speedup", "{:.2f}x"), ("peak MiB", "peak_mib", "{:.0f}"), ("first loss", "first_loss", "{:.3f}"),
+    ("final loss", "final_loss", "{:.3f}"), ("skipped", "skipped_steps", "{}"), ("loss scale", "loss_scale", "{:g}"),
+]
+
+
+def format_table(rows: List[dict]) -> str:
+    head = [c[0] for c in COLUMNS]
+    body = [["-" if r[key] is None else fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 5 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def main(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", json_path: Optional[str] = None) -> List[dict]:
+    """Run the demo, print the table (and write ``json_path``); return the rows."""
+    dev = resolve_device(device)
+    info = machine(dev)
+    print(f"ampkit {ampkit.__version__} demo: {steps} steps per run on {info['device']} "
+          f"({info['cpu']}, {info['threads']} threads, torch {info['torch']})", flush=True)
+    rows = run(levels, steps, models, str(dev))
+    memory = "peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS of the run's own process above its RSS before the model was built"
+    print()
+    print(format_table(rows))
+    print(f"\nsteps/s: steps 2..{steps} (the first step is warm-up); peak MiB: {memory}.")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": info, "steps": steps, "rows": rows}, f, indent=2)
+        print(f"wrote {json_path}")
+    return rows

@@ -1,0 +1,509 @@
+"""ampkit benchmarks: five families measured side by side in one run, tables to stdout, JSON to a file.
+
+    python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling]
+
+1. overhead: ampkit O1/O4 vs a hand-written torch.autocast + torch.amp.GradScaler loop, and
+   O2/O5 vs a hand-written half model + fp32 master loop; per-step times, the two variants
+   alternating step by step, 3 repeats. Target: median ratio <= 1.02.
+2. speedup: steps/s of O0, O4, O5 on the transformer (d_model 512) and the CNN, each
+   repeat of each level in a fresh process, levels interleaved. Target: O5 >= 2.5x O0 (LM).
+3. unscale: ampkit's unscale + overflow check over >= 50M gradient elements (fp32 grads,
+   and half grads into fp32 masters) vs a torch copy of the same bytes, and host syncs per
+   step counted at the dispatcher. Targets: >= 0.5 of copy bandwidth; exactly 1 sync.
+4. memory: peak RSS per level on the transformer with an activation-heavy batch, one fresh
+   process per level. Target: O3 and O5 <= 0.6x O0.
+5. scaling: step time and peak memory of O0 and O5 at x1, x4, x16 parameters.
+
+``--quick`` shrinks sizes and repeats to check that everything runs (about a minute); its
+figures are not valid for the targets. Nothing here runs in the unit tests.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampkit
+from ampkit.demo import MemoryMeter, isolated, machine, peak_rss_bytes
+from ampkit.demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+
+HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
+FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling")
+LR = 0.01
+
+FULL = dict(
+    overhead_lm=LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16),
+    overhead_steps=30, repeats=3, warmup=3,
+    speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=4, seq_len=128, batch=16),
+    speed_cnn=dict(width=32, size=32, batch=64), speed_steps=10,
+    unscale_elements=64 * 2**20, unscale_iters=10,
+    memory_lm=LMConfig(vocab=256, d_model=256, n_heads=8, n_layers=4, seq_len=256, batch=32), memory_steps=3,
+    scaling_d=(256, 512, 1024), scaling_batch=4, scaling_steps=8,
+)
+QUICK = dict(
+    overhead_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=32, batch=8),
+    overhead_steps=8, repeats=1, warmup=2,
+    speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=2, seq_len=64, batch=4),
+    speed_cnn=dict(width=16, size=16, batch=32), speed_steps=3,
+    unscale_elements=8 * 2**20, unscale_iters=3,
+    memory_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=8), memory_steps=2,
+    scaling_d=(128, 256, 512), scaling_batch=2, scaling_steps=3,
+)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, device, *args) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    step(*args)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def params_of(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- the training steps: ampkit and hand-written ---------------------------------------
+
+class AmpkitLoop:
+    """The README loop."""
+
+    def __init__(self, model, level, loss_fn):
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        self.model, self.opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+        self.loss_fn = loss_fn
+
+    def step(self, x, y):
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.model(x), y)
+        with ampkit.scale_loss(loss, self.opt) as scaled:
+            scaled.backward()
+        self.opt.step()
+
+    def skipped(self) -> int:
+        return self.opt._ampkit.session.scalers[0].skipped_steps
+
+
+class AutocastLoop:
+    """Hand-written O1/O4: torch.autocast + torch.amp.GradScaler (init scale 2**16 or 1.0)."""
+
+    def __init__(self, model, dtype, init_scale, loss_fn, device):
+        self.model, self.dtype, self.loss_fn, self.device = model, dtype, loss_fn, device
+        self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        self.init_scale = init_scale
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
+
+    def step(self, x, y):
+        self.opt.zero_grad()
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            out = self.model(x)
+        loss = self.loss_fn(out.float(), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+    def skipped(self) -> int:
+        # Every skip halves the scale, and no run here reaches growth_interval=2000 clean steps.
+        return round(math.log2(self.init_scale / self.scaler.get_scale()))
+
+
+class MasterLoop:
+    """Hand-written O2/O5: half model (BatchNorm fp32), fp32 master copy, one fused check per step.
+
+    Same arithmetic as ampkit: loss times the scale, half grads to fp32, fused unscale +
+    inf/NaN check, one host read of the flag, skip and back off on overflow (dynamic).
+    """
+
+    def __init__(self, model, dtype, scale, dynamic, loss_fn):
+        for m in model.modules():
+            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for p in m.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
+        self.model, self.dtype, self.loss_fn = model, dtype, loss_fn
+        self.half = [p for p in model.parameters() if p.dtype == dtype]
+        self.plain = [p for p in model.parameters() if p.dtype != dtype]
+        self.masters = [p.detach().float().requires_grad_() for p in self.half]
+        self.opt = torch.optim.SGD(self.masters + self.plain, lr=LR, momentum=0.9)
+        self.scale, self.dynamic, self.skips = scale, dynamic, 0
+        self.found = torch.zeros(1, device=self.masters[0].device)
+
+    def step(self, x, y):
+        for p in self.model.parameters():
+            p.grad = None
+        x = x.to(self.dtype) if x.is_floating_point() else x
+        loss = self.loss_fn(self.model(x).float(), y)
+        (loss * self.scale if self.scale != 1.0 else loss).backward()
+        grads = [p.grad.float() for p in self.half]
+        self.found.zero_()
+        inv = torch.full((), 1.0 / self.scale, device=self.found.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in self.plain], self.found, inv)
+        if self.found.item():
+            self.skips += 1
+            if self.dynamic:
+                self.scale /= 2
+            return
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.half, self.masters)
+
+    def skipped(self) -> int:
+        return self.skips
+
+
+def hand_loop(level, model, loss_fn, device):
+    if level in ("O1", "O4"):
+        return AutocastLoop(model, HALF[level], 2.0**16 if level == "O1" else 1.0, loss_fn, device)
+    return MasterLoop(model, HALF[level], 2.0**16 if level == "O2" else 1.0, level == "O2", loss_fn)
+
+
+# --- 1. front-end overhead ------------------------------------------------------------
+
+def alternate(amp, hand, batches, device, repeats, warmup, steps):
+    """Per-step times of both loops, alternating step by step (the order flips every step and repeat)."""
+    times, per_repeat = {"ampkit": [], "hand": []}, []
+    for r in range(repeats):
+        for i in range(warmup):
+            amp.step(*batches[i % len(batches)])
+            hand.step(*batches[i % len(batches)])
+        rep = {"ampkit": [], "hand": []}
+        for i in range(steps):
+            order = (("ampkit", amp), ("hand", hand)) if (i + r) % 2 == 0 else (("hand", hand), ("ampkit", amp))
+            for name, loop in order:
+                rep[name].append(timed(loop.step, device, *batches[i % len(batches)]))
+        per_repeat.append(median(rep["ampkit"]) / median(rep["hand"]))
+        for k in times:
+            times[k] += rep[k]
+    return times, per_repeat
+
+
+def bench_overhead(cfg, device):
+    lm = cfg["overhead_lm"]
+    # The same layer structure (30 parameter tensors) with almost no arithmetic: ampkit's fixed cost per step.
+    tiny = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=lm.n_layers, seq_len=8, batch=2)
+    rows = []
+    for level in ("O1", "O4", "O2", "O5"):
+        found = {}
+        for name, spec, steps in (("model", lm, cfg["overhead_steps"]), ("tiny", tiny, 100)):
+            batches = [(x.to(device), y.to(device)) for x, y in lm_batches(spec, 4)]
+            torch.manual_seed(0)
+            amp = AmpkitLoop(TinyLM(spec).to(device), level, lm_loss)
+            torch.manual_seed(0)
+            hand = hand_loop(level, TinyLM(spec).to(device), lm_loss, device)
+            found[name] = alternate(amp, hand, batches, device, cfg["repeats"], cfg["warmup"], steps) + (amp, hand)
+        (times, per_repeat, amp, hand), (tiny_times, _, _, _) = found["model"], found["tiny"]
+        rows.append({
+            "level": level,
+            "baseline": "autocast + GradScaler" if level in ("O1", "O4") else "half model + fp32 masters",
+            "ampkit_ms": 1e3 * median(times["ampkit"]), "hand_ms": 1e3 * median(times["hand"]),
+            "ratio": median(times["ampkit"]) / median(times["hand"]),
+            "ratio_per_repeat": per_repeat, "steps_per_variant": len(times["ampkit"]),
+            "fixed_extra_ms": 1e3 * (median(tiny_times["ampkit"]) - median(tiny_times["hand"])),
+            "skipped": {"ampkit": amp.skipped(), "hand": hand.skipped()},
+        })
+    return {"model": f"TinyLM {vars(lm)}", "params": params_of(TinyLM(lm)), "rows": rows}
+
+
+# --- 2. speed-up, 4. memory, 5. scaling: one fresh process per run ---------------------
+
+def train_worker(kind, spec, level, steps, warmup, device, threads, report=None):
+    """In a fresh process: train ``steps`` timed steps after ``warmup``; times and peak memory."""
+    torch.set_num_threads(threads)
+    device = torch.device(device)
+    batches = lm_batches(spec, 2) if kind == "lm" else image_batches(2, spec["batch"], spec["size"])
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    meter = MemoryMeter(device)  # counts the model, its gradients, optimizer state, activations
+    torch.manual_seed(0)
+    model, loss_fn = (TinyLM(spec), lm_loss) if kind == "lm" else (ConvNet(spec["width"]), F.cross_entropy)
+    n_params = params_of(model)
+    loop = AmpkitLoop(model.to(device), level, loss_fn)
+    times = [timed(loop.step, device, *batches[i % 2]) for i in range(warmup + steps)]
+    return {"step_s": times[warmup:], "peak_mib": meter.peak_mib(), "rss_mib": peak_rss_bytes() / 2**20,
+            "params": n_params, "skipped": loop.skipped()}
+
+
+def interleaved(runs, repeats):
+    """Run each ``(key, args)`` in a fresh process, ``repeats`` times, the order rotated per repeat."""
+    results = {key: [] for key, _ in runs}
+    for r in range(repeats):
+        for key, args in runs[r % len(runs):] + runs[: r % len(runs)]:
+            results[key].append(isolated(train_worker, *args))
+    return results
+
+
+def _merge(results):
+    times = [t for res in results for t in res["step_s"]]
+    return {"step_ms": 1e3 * median(times), "steps_per_s": 1 / median(times), "samples": len(times),
+            "peak_mib": max(res["peak_mib"] for res in results), "rss_mib": max(res["rss_mib"] for res in results),
+            "params": results[0]["params"],
+            "skipped": max(res["skipped"] for res in results)}
+
+
+def bench_speedup(cfg, device, threads):
+    out = []
+    for kind, spec in (("lm", cfg["speed_lm"]), ("cnn", cfg["speed_cnn"])):
+        runs = [(lvl, (kind, spec, lvl, cfg["speed_steps"], 2, str(device), threads)) for lvl in ("O0", "O4", "O5")]
+        merged = {lvl: _merge(res) for lvl, res in interleaved(runs, cfg["repeats"]).items()}
+        for lvl, row in merged.items():
+            row.update(model=kind, level=lvl, speedup=merged["O0"]["step_ms"] / row["step_ms"])
+            out.append(row)
+    return {"lm": str(vars(cfg["speed_lm"])), "cnn": str(cfg["speed_cnn"]), "rows": out}
+
+
+def bench_memory(cfg, device, threads):
+    spec = cfg["memory_lm"]
+    runs = [(lvl, ("lm", spec, lvl, cfg["memory_steps"], 0, str(device), threads)) for lvl in ampkit.OPT_LEVELS]
+    merged = {lvl: _merge(res) for lvl, res in interleaved(runs, 1).items()}
+    for lvl, row in merged.items():
+        row.update(level=lvl, vs_O0=row["peak_mib"] / merged["O0"]["peak_mib"])
+    return {"lm": str(vars(spec)), "rows": list(merged.values())}
+
+
+def bench_scaling(cfg, device, threads):
+    base = cfg["speed_lm"]
+    runs = []
+    for d in cfg["scaling_d"]:
+        spec = LMConfig(vocab=base.vocab, d_model=d, n_heads=8, n_layers=4, seq_len=128, batch=cfg["scaling_batch"])
+        runs += [((d, lvl), ("lm", spec, lvl, cfg["scaling_steps"], 2, str(device), threads)) for lvl in ("O0", "O5")]
+    merged = {key: _merge(res) for key, res in interleaved(runs, cfg["repeats"]).items()}
+    smallest = merged[(cfg["scaling_d"][0], "O0")]["params"]
+    rows = []
+    for (d, lvl), row in merged.items():
+        o0 = merged[(d, "O0")]
+        row.update(d_model=d, level=lvl, size=row["params"] / smallest,
+                   speedup=o0["step_ms"] / row["step_ms"], mem_vs_O0=row["peak_mib"] / o0["peak_mib"])
+        rows.append(row)
+    return {"lm": f"n_layers=4, seq_len=128, batch={cfg['scaling_batch']}, vocab={base.vocab}", "rows": rows}
+
+
+# --- 3. unscale + overflow check; host syncs ------------------------------------------
+
+def _unscale_once(opt, params, grads):
+    """One ``scale_loss`` exit: the block writes ``grads`` as a backward would, ampkit unscales them."""
+    loss = torch.zeros((), device=grads[0].device)
+    with ampkit.scale_loss(loss, opt):
+        for p, g in zip(params, grads):
+            p.grad = g
+    opt.zero_grad()
+
+
+def _unscale_into_buffers(bufs, grads):
+    """The proposed fix for half grads (BENCHMARKS.md): persistent fp32 master-grad buffers."""
+    found = torch.zeros(1, device=bufs[0].device)
+    torch._foreach_copy_(bufs, grads)
+    torch._amp_foreach_non_finite_check_and_unscale_(bufs, found, torch.ones((), device=found.device))
+    found.item()
+
+
+def bench_unscale(cfg, device):
+    n = cfg["unscale_elements"]
+    chunks = 64
+    rows = []
+    for level, dtype in (("O0", torch.float32), ("O5", torch.bfloat16), ("O2", torch.float16)):  # O1/O4: as O0
+        model = nn.ParameterList([nn.Parameter(torch.zeros(n // chunks, device=device)) for _ in range(chunks)])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        # O2's dynamic scale would shrink the grads every call; a static scale runs the same kernels.
+        model, opt = ampkit.initialize(model, opt, opt_level=level, loss_scale=1.0, verbosity=0)
+        params = list(model.parameters())
+        grads = [torch.randn(n // chunks, device=device).to(dtype) for _ in params]
+        src = torch.randn(n, device=device).to(dtype)
+        dst = torch.empty_like(src)
+        half = dtype != torch.float32
+        bufs = [torch.empty(g.shape, device=device) for g in grads] if half else None
+        t_amp, t_copy, t_fix = [], [], []
+        for _ in range(cfg["unscale_iters"]):
+            t_amp.append(timed(_unscale_once, device, opt, params, grads))
+            t_copy.append(timed(dst.copy_, device, src))
+            if half:
+                t_fix.append(timed(_unscale_into_buffers, device, bufs, grads))
+        gb = n * src.element_size() / 1e9
+        rows.append({
+            "level": level, "grad_dtype": str(dtype).replace("torch.", ""), "elements": n, "tensors": chunks,
+            "path": "fp32 grads: unscale + check in place" if not half else "half grads -> new fp32 master grads, unscale + check",
+            "ampkit_GBps": gb / median(t_amp), "copy_GBps": gb / median(t_copy),
+            "ratio": median(t_copy) / median(t_amp),
+            "fix_ratio": median(t_copy) / median(t_fix) if half else None,
+        })
+        del model, opt, params, grads, src, dst, bufs
+    return {"rows": rows, "syncs": count_syncs(device)}
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts, at the dispatcher, every op that makes the host wait for tensor values:
+    ``_local_scalar_dense`` (behind ``.item()``, ``bool()``, ``float()``, ``int()`` of a tensor,
+    from Python or C++) and the ops whose output shape depends on the data."""
+
+    SYNCING = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.masked_select}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in self.SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+def _syncs_per_step(step, steps=2) -> float:
+    with HostSyncCounter() as counter:
+        for _ in range(steps):
+            step()
+    return counter.count / steps
+
+
+def count_syncs(device):
+    """Host syncs per training step through the whole public API, for growing parameter counts."""
+    rows = []
+    for blocks in (1, 16, 256):
+        def make():
+            torch.manual_seed(0)
+            layers = [m for _ in range(blocks) for m in (nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())]
+            return nn.Sequential(*layers, nn.Linear(16, 1)).to(device)
+        x, y = torch.randn(32, 16, device=device), torch.randn(32, 1, device=device)
+        row = {"parameters": len(list(make().parameters()))}
+        for level in ampkit.OPT_LEVELS:
+            loop = AmpkitLoop(make(), level, F.mse_loss)
+            loop.step(x, y)
+            row[level] = _syncs_per_step(lambda: loop.step(x, y))
+        for level in ("O1", "O5"):
+            loop = hand_loop(level, make(), F.mse_loss, device)
+            loop.step(x, y)
+            row[f"hand {level}"] = _syncs_per_step(lambda: loop.step(x, y))
+        rows.append(row)
+    return rows
+
+
+# --- tables --------------------------------------------------------------------------
+
+def table(rows, columns):
+    """``columns``: (header, key or function, format)."""
+    def cell(r, key, fmt):
+        v = key(r) if callable(key) else r.get(key)
+        return "-" if v is None else fmt.format(v)
+    head = [c[0] for c in columns]
+    body = [[cell(r, k, f) for _, k, f in columns] for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
+
+
+def report(results, quick):
+    out = []
+    if "overhead" in results:
+        r = results["overhead"]
+        out += [f"\n1. Front-end overhead ({r['model']}, {r['params'] / 1e6:.2f}M params; "
+                f"{r['rows'][0]['steps_per_variant']} steps per variant, alternating)", table(r["rows"], [
+                    ("level", "level", "{}"), ("hand-written baseline", "baseline", "{}"),
+                    ("ampkit ms", "ampkit_ms", "{:.2f}"), ("hand ms", "hand_ms", "{:.2f}"),
+                    ("ratio", "ratio", "{:.3f}"),
+                    ("per repeat", lambda x: " ".join(f"{v:.3f}" for v in x["ratio_per_repeat"]), "{}"),
+                    ("fixed extra ms", "fixed_extra_ms", "{:+.3f}"),
+                    ("skipped a/h", lambda x: f"{x['skipped']['ampkit']}/{x['skipped']['hand']}", "{}")])]
+    if "speedup" in results:
+        r = results["speedup"]
+        out += [f"\n2. Speed-up from precision (LM {r['lm']}; CNN {r['cnn']})", table(r["rows"], [
+            ("model", "model", "{}"), ("level", "level", "{}"), ("params", lambda x: x["params"] / 1e6, "{:.2f}M"),
+            ("ms/step", "step_ms", "{:.1f}"), ("steps/s", "steps_per_s", "{:.2f}"), ("vs O0", "speedup", "{:.2f}x"),
+            ("samples", "samples", "{}")])]
+    if "unscale" in results:
+        r = results["unscale"]
+        out += ["\n3a. Unscale + overflow check (GB/s = gradient bytes / time; copy = tensor.copy_ of the same bytes)",
+                table(r["rows"], [
+                    ("level", "level", "{}"), ("grads", "grad_dtype", "{}"), ("elements", lambda x: x["elements"] / 1e6, "{:.1f}M"),
+                    ("path", "path", "{}"), ("ampkit GB/s", "ampkit_GBps", "{:.2f}"), ("copy GB/s", "copy_GBps", "{:.2f}"),
+                    ("ratio", "ratio", "{:.2f}"), ("ratio with fix", "fix_ratio", "{:.2f}")]),
+                "\n3b. Host syncs per training step (counted at the dispatcher: _local_scalar_dense, nonzero, masked_select)",
+                table(r["syncs"], [(k, k, "{:g}") for k in r["syncs"][0]])]
+    if "memory" in results:
+        r = results["memory"]
+        out += [f"\n4. Peak memory per level (LM {r['lm']}; RSS high-water above the fresh process's RSS before the model)",
+                table(r["rows"], [("level", "level", "{}"), ("peak MiB", "peak_mib", "{:.0f}"), ("process RSS MiB", "rss_mib", "{:.0f}"),
+                                  ("vs O0", "vs_O0", "{:.2f}x"), ("ms/step", "step_ms", "{:.0f}"), ("skipped", "skipped", "{}")])]
+    if "scaling" in results:
+        r = results["scaling"]
+        out += [f"\n5. Scaling with model size ({r['lm']})", table(r["rows"], [
+            ("d_model", "d_model", "{}"), ("params", lambda x: x["params"] / 1e6, "{:.1f}M"), ("size", "size", "x{:.1f}"),
+            ("level", "level", "{}"), ("ms/step", "step_ms", "{:.1f}"), ("vs O0", "speedup", "{:.2f}x"),
+            ("peak MiB", "peak_mib", "{:.0f}"), ("mem vs O0", "mem_vs_O0", "{:.2f}x")])]
+    targets = check_targets(results)
+    if targets:
+        out += ["\nTargets" + (" (--quick: sizes too small, not valid for the targets)" if quick else ""),
+                table(targets, [("target", "target", "{}"), ("measured", "measured", "{}"), ("met", "met", "{}")])]
+    return "\n".join(out)
+
+
+def check_targets(results):
+    t = []
+    if "overhead" in results:
+        for row in results["overhead"]["rows"]:
+            t.append({"target": f"{row['level']} ampkit / hand-written <= 1.02", "measured": f"{row['ratio']:.3f}", "met": row["ratio"] <= 1.02})
+    if "speedup" in results:
+        o5 = next(r for r in results["speedup"]["rows"] if r["model"] == "lm" and r["level"] == "O5")
+        t.append({"target": "O5 >= 2.5x O0 (LM)", "measured": f"{o5['speedup']:.2f}x", "met": o5["speedup"] >= 2.5})
+    if "unscale" in results:
+        for row in results["unscale"]["rows"]:
+            t.append({"target": f"unscale {row['grad_dtype']} grads >= 0.5 of copy", "measured": f"{row['ratio']:.2f}", "met": row["ratio"] >= 0.5})
+        counts = {v for row in results["unscale"]["syncs"] for k, v in row.items() if k in ampkit.OPT_LEVELS}
+        t.append({"target": "1 host sync per step, any param count", "measured": ",".join(f"{c:g}" for c in sorted(counts)), "met": counts == {1}})
+    if "memory" in results:
+        for row in results["memory"]["rows"]:
+            if row["level"] in ("O3", "O5"):
+                t.append({"target": f"{row['level']} peak memory <= 0.6x O0", "measured": f"{row['vs_O0']:.2f}x", "met": row["vs_O0"] <= 0.6})
+    return t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="ampkit benchmarks (see BENCHMARKS.md)")
+    p.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run, not valid for the targets")
+    p.add_argument("--json", metavar="PATH", help="write machine, config and results as JSON")
+    p.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+    only = args.only.split(",")
+    unknown = set(only) - set(FAMILIES)
+    if unknown:
+        p.error(f"--only: unknown {sorted(unknown)}; choose from {','.join(FAMILIES)}")
+    torch.set_num_threads(args.threads)
+    cfg, device = (QUICK if args.quick else FULL), torch.device(args.device)
+    info = machine(device)
+    print(f"ampkit {ampkit.__version__} benchmarks{' --quick' if args.quick else ''}: {info}", flush=True)
+    benches = {
+        "overhead": lambda: bench_overhead(cfg, device),
+        "speedup": lambda: bench_speedup(cfg, device, args.threads),
+        "unscale": lambda: bench_unscale(cfg, device),
+        "memory": lambda: bench_memory(cfg, device, args.threads),
+        "scaling": lambda: bench_scaling(cfg, device, args.threads),
+    }
+    results, started = {}, time.perf_counter()
+    for family in FAMILIES:
+        if family in only:
+            t = time.perf_counter()
+            results[family] = benches[family]()
+            print(f"  {family}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    print(report(results, args.quick))
+    print(f"\nload average (1 min): {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
+          f"on {info['cores']} cores; more than the core count means other work shared the CPUs.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick,
+                       "seconds": time.perf_counter() - started,
+                       "results": results, "targets": check_targets(results)}, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
