@@ -15,6 +15,7 @@ The file stays an ordinary ``torch.save`` file: ``torch.load(path)["model"]`` is
 float32 state dict that loads into a plain model for inference elsewhere.
 """
 import copy
+import ctypes
 import hashlib
 import io
 import os
@@ -53,8 +54,7 @@ def _feed(h, obj) -> None:
     if torch.is_tensor(obj):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
-        flat = t.reshape(-1)
-        h.update((flat if flat.dtype == torch.bool else flat.view(torch.uint8)).numpy().tobytes())
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b"")
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)}|".encode())
         for k, v in obj.items():

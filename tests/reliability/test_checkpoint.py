@@ -1,5 +1,6 @@
 """``ampkit.checkpoint``: truncated, corrupted or mismatched files give a clear error and
 leave model, optimizer and loss scalers exactly as they were; never a half-loaded model."""
+import ctypes
 import os
 
 import pytest
@@ -86,7 +87,8 @@ def _tensor_offsets(data: bytes, saved_model: dict):
     """Byte offsets inside the file where the raw bytes of saved tensors lie."""
     out = []
     for v in saved_model.values():
-        blob = v.contiguous().view(torch.uint8).numpy().tobytes()
+        t = v.contiguous()
+        blob = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
         at = data.find(blob)
         if at >= 0:
             out += [at, at + len(blob) // 2, at + len(blob) - 1]
