@@ -9,10 +9,12 @@ from . import opt_levels
 
 def _levels(text: str) -> List[str]:
     levels = [s.strip() for s in text.split(",") if s.strip()]
-    try:
-        return [opt_levels.check_opt_level(lvl) for lvl in levels] or list(opt_levels.OPT_LEVELS)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("initialize(opt_level=", "--levels (")) from None
+    for lvl in levels:
+        try:
+            opt_levels.check_opt_level(lvl)
+        except ValueError as e:  # "initialize(opt_level='x'): unknown opt level..." without the call
+            raise argparse.ArgumentTypeError(f"{lvl!r}: {str(e).split('): ', 1)[1]}") from None
+    return levels or list(opt_levels.OPT_LEVELS)
 
 
 def _steps(text: str) -> int:
@@ -25,9 +27,11 @@ def _device(text: str) -> str:
     if text == "auto":
         return text
     try:
-        torch.device(text)
+        device = torch.device(text)
     except RuntimeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; use cpu or auto")
     return text
 
 

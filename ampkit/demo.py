@@ -183,14 +183,18 @@ def _sync(device: torch.device) -> None:
 
 def machine(device: torch.device) -> dict:
     """What the figures were measured on."""
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            first_cpu = f.read().split("\n\n", 1)[0]
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+        cpu = fields["model name"]
+        flags = [x for x in fields["flags"].split() if x.startswith(("amx", "avx512_bf16", "avx512_fp16"))]
+    except (OSError, KeyError):
         pass
     info = {
         "cpu": cpu,
+        "cpu_flags": " ".join(flags),
         "cores": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,

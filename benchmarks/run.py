@@ -14,7 +14,7 @@
    process per level. Target: O3 and O5 <= 0.6x O0.
 5. scaling: step time and peak memory of O0 and O5 at x1, x4, x16 parameters.
 
-``--quick`` shrinks sizes and repeats to check that everything runs (about a minute); its
+``--quick`` shrinks sizes and repeats to check that everything runs (well under a minute); its
 figures are not valid for the targets. Nothing here runs in the unit tests.
 """
 import argparse
@@ -300,14 +300,6 @@ def _unscale_once(opt, params, grads):
     opt.zero_grad()
 
 
-def _unscale_into_buffers(bufs, grads):
-    """The proposed fix for half grads (BENCHMARKS.md): persistent fp32 master-grad buffers."""
-    found = torch.zeros(1, device=bufs[0].device)
-    torch._foreach_copy_(bufs, grads)
-    torch._amp_foreach_non_finite_check_and_unscale_(bufs, found, torch.ones((), device=found.device))
-    found.item()
-
-
 def bench_unscale(cfg, device):
     n = cfg["unscale_elements"]
     chunks = 64
@@ -322,22 +314,18 @@ def bench_unscale(cfg, device):
         src = torch.randn(n, device=device).to(dtype)
         dst = torch.empty_like(src)
         half = dtype != torch.float32
-        bufs = [torch.empty(g.shape, device=device) for g in grads] if half else None
-        t_amp, t_copy, t_fix = [], [], []
+        t_amp, t_copy = [], []
         for _ in range(cfg["unscale_iters"]):
             t_amp.append(timed(_unscale_once, device, opt, params, grads))
             t_copy.append(timed(dst.copy_, device, src))
-            if half:
-                t_fix.append(timed(_unscale_into_buffers, device, bufs, grads))
         gb = n * src.element_size() / 1e9
         rows.append({
             "level": level, "grad_dtype": str(dtype).replace("torch.", ""), "elements": n, "tensors": chunks,
-            "path": "fp32 grads: unscale + check in place" if not half else "half grads -> new fp32 master grads, unscale + check",
+            "path": "fp32 grads: unscale + check in place" if not half else "half grads -> reused fp32 master-grad buffers, unscale + check",
             "ampkit_GBps": gb / median(t_amp), "copy_GBps": gb / median(t_copy),
             "ratio": median(t_copy) / median(t_amp),
-            "fix_ratio": median(t_copy) / median(t_fix) if half else None,
         })
-        del model, opt, params, grads, src, dst, bufs
+        del model, opt, params, grads, src, dst
     return {"rows": rows, "syncs": count_syncs(device)}
 
 
@@ -424,7 +412,7 @@ def report(results, quick):
                 table(r["rows"], [
                     ("level", "level", "{}"), ("grads", "grad_dtype", "{}"), ("elements", lambda x: x["elements"] / 1e6, "{:.1f}M"),
                     ("path", "path", "{}"), ("ampkit GB/s", "ampkit_GBps", "{:.2f}"), ("copy GB/s", "copy_GBps", "{:.2f}"),
-                    ("ratio", "ratio", "{:.2f}"), ("ratio with fix", "fix_ratio", "{:.2f}")]),
+                    ("ratio", "ratio", "{:.2f}")]),
                 "\n3b. Host syncs per training step (counted at the dispatcher: _local_scalar_dense, nonzero, masked_select)",
                 table(r["syncs"], [(k, k, "{:g}") for k in r["syncs"][0]])]
     if "memory" in results:

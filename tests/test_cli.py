@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ampkit import cli, demo, opt_levels
 
@@ -32,6 +33,8 @@ def test_levels_in_process(capsys):
     (["demo", "--steps", "0"], "expected a positive integer"),
     (["demo", "--model", "rnn"], "invalid choice"),
     (["demo", "--device", "nodevice"], "--device"),
+    pytest.param(["demo", "--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")),
     ([], "required"),
 ])
 def test_bad_arguments(capsys, argv, message):
