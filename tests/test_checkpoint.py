@@ -28,14 +28,6 @@ WORKER = Path(worker.__file__).resolve()
 ROOT = WORKER.parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 Net = worker.Net
 
 

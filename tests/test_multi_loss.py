@@ -16,14 +16,6 @@ HALF_WEIGHTS = {"O2", "O3", "O5"}
 RTOL = {"O0": 1e-5, "O1": 2e-2, "O2": 2e-2, "O3": 2e-2, "O4": 6e-2, "O5": 6e-2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def set_scales(*scales):
     """Start each dynamic scaler at a scale that does not overflow float16 on these tiny nets."""
     ampkit.load_state_dict({f"loss_scaler{i}": {"loss_scale": float(s), "unskipped": 0} for i, s in enumerate(scales)})
@@ -193,7 +185,6 @@ def test_scale_loss_unscales_only_the_given_optimizer(level):
     if level == "O2":
         assert all(m.grad is None for m in ampkit.master_params(oB))
     assert oB._ampkit.skip is None and oA._ampkit.skip is None
-
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

@@ -1,18 +1,6 @@
-"""Reliability suite plumbing: one CPU thread per test, and the bad-input count."""
-import pytest
-import torch
+"""Reliability suite plumbing: the bad-input count."""
 
 _BAD = {"passed": 0, "failed": 0}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second OpenMP thread only adds contention on a shared machine, and a
-    # fixed thread count keeps the bit-for-bit comparisons independent of the host.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def pytest_runtest_logreport(report):
