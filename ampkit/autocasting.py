@@ -90,54 +90,41 @@ def _active_device(args, kwargs):
         return None
 
 
-def half_function(fn: Callable) -> Callable:
-    """Under autocast, run ``fn`` on floating arguments cast to the autocast dtype."""
+def _cast_around(fn: Callable, kind: str, dtype_for: Callable) -> Callable:
+    """Wrap ``fn``: under autocast, run it with autocast off on floating arguments cast to
+    ``dtype_for(device, args, kwargs)``; when that is None, or outside autocast, call ``fn`` as is."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         device = _active_device(args, kwargs)
-        if device is None:
+        dtype = None if device is None else dtype_for(device, args, kwargs)
+        if dtype is None:
             return fn(*args, **kwargs)
-        dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
             return fn(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
 
-    wrapper.__ampkit_cast__ = "half"
+    wrapper.__ampkit_cast__ = kind
     return wrapper
+
+
+def _widest(device, args, kwargs):
+    dtypes = _floating_dtypes(kwargs, _floating_dtypes(args, set()))
+    return functools.reduce(torch.promote_types, dtypes) if len(dtypes) > 1 else None
+
+
+def half_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` on floating arguments cast to the autocast dtype."""
+    return _cast_around(fn, "half", lambda device, args, kwargs: torch.get_autocast_dtype(device))
 
 
 def float_function(fn: Callable) -> Callable:
     """Under autocast, run ``fn`` on float32 arguments with autocasting disabled inside."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        device = _active_device(args, kwargs)
-        if device is None:
-            return fn(*args, **kwargs)
-        with torch.autocast(device, enabled=False):
-            return fn(*cast_tree(args, torch.float32), **cast_tree(kwargs, torch.float32))
-
-    wrapper.__ampkit_cast__ = "float"
-    return wrapper
+    return _cast_around(fn, "float", lambda device, args, kwargs: torch.float32)
 
 
 def promote_function(fn: Callable) -> Callable:
     """Under autocast, run ``fn`` on floating arguments promoted to the widest floating dtype among them."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        device = _active_device(args, kwargs)
-        if device is None:
-            return fn(*args, **kwargs)
-        dtypes = _floating_dtypes(kwargs, _floating_dtypes(args, set()))
-        if len(dtypes) < 2:
-            return fn(*args, **kwargs)
-        widest = functools.reduce(torch.promote_types, dtypes)
-        with torch.autocast(device, enabled=False):
-            return fn(*cast_tree(args, widest), **cast_tree(kwargs, widest))
-
-    wrapper.__ampkit_cast__ = "promote"
-    return wrapper
+    return _cast_around(fn, "promote", _widest)
 
 
 def _register(decorator, module, name: str) -> None:

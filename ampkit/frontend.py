@@ -1,5 +1,6 @@
 """The user-facing calls: ``initialize``, ``scale_loss``, ``state_dict`` and friends."""
 import contextlib
+import itertools
 import logging
 from typing import List, Optional
 
@@ -144,20 +145,18 @@ def current_session(caller: str) -> Session:
     return _current
 
 
-def _as_list(obj, kind: str, allowed: tuple, noun: str):
-    if obj is None:
-        return [], False
+def _as_list(obj, label: str, allowed: tuple, expected: str):
+    """``obj`` (one object or a list/tuple of them) as a list, and whether it was one object."""
     if isinstance(obj, allowed):
         return [obj], True
     if isinstance(obj, (list, tuple)) and all(isinstance(o, allowed) for o in obj):
         return list(obj), False
-    raise TypeError(f"initialize({kind}=...): expected {noun} or a list of them, got {type(obj).__name__}.")
+    raise TypeError(f"{label}: expected {expected}, got {type(obj).__name__}.")
 
 
 def _device_type(model: nn.Module) -> str:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device.type
-    return "cpu"
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return "cpu" if first is None else first.device.type
 
 
 def _check_models(models) -> None:
@@ -236,8 +235,13 @@ def initialize(
     global _current
     if not isinstance(enabled, bool):
         raise TypeError(f"initialize(enabled={enabled!r}): expected True or False.")
-    model_list, single_model = _as_list(models, "models", (nn.Module,), "an nn.Module")
-    opt_list, single_opt = _as_list(optimizers, "optimizers", (torch.optim.Optimizer,), "a torch.optim.Optimizer")
+    model_list, single_model = _as_list(
+        [] if models is None else models, "initialize(models=...)", (nn.Module,), "an nn.Module or a list of them"
+    )
+    opt_list, _ = _as_list(
+        [] if optimizers is None else optimizers, "initialize(optimizers=...)", (torch.optim.Optimizer,),
+        "a torch.optim.Optimizer or a list of them",
+    )
     if not model_list:
         raise ValueError("initialize(models=...): expected at least one model.")
     if not enabled:
@@ -384,12 +388,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     window unscales them all). With ``delay_overflow_check=True`` the host sync that
     decides the skip is postponed to ``optimizer.step()``.
     """
-    if isinstance(optimizers, torch.optim.Optimizer):
-        opts = [optimizers]
-    elif isinstance(optimizers, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-        opts = list(optimizers)
-    else:
-        raise TypeError(f"scale_loss(optimizers=...): expected an optimizer or a list of optimizers, got {type(optimizers).__name__}.")
+    opts, _ = _as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer,), "an optimizer or a list of optimizers")
     session = _session_of(opts)
     if not session.enabled:
         yield loss
