@@ -186,13 +186,7 @@ class OptimizerState:
     def unscale(self, inv_scale: float, found_inf: dict) -> None:
         """Turn the scaled gradients of the last backward into clean ones."""
         self.scaled_by = None
-        half, targets = [], []
-        for p, m in self.masters.items():
-            if p.grad is not None:
-                half.append(p.grad)
-                targets.append(m)
-                p.grad = None
-        fresh = self._fp32_copies(half, targets)
+        targets, fresh = self._take_half_grads()
         plain = [p for p in self.step_params() if p not in self.owner and p.grad is not None]
         unscale_and_check_(fresh + [p.grad for p in plain], inv_scale, found_inf)
         self._accumulate(targets, fresh)
@@ -209,6 +203,17 @@ class OptimizerState:
             for dst, src in zip(_by_device(add_to), _by_device(add_from)):
                 torch._foreach_add_(dst, src)
         self.stash.clear()
+
+    def _take_half_grads(self):
+        """The masters whose model parameter has a gradient, and fp32 copies of those
+        gradients; the half gradients themselves are released."""
+        half, targets = [], []
+        for p, m in self.masters.items():
+            if p.grad is not None:
+                half.append(p.grad)
+                targets.append(m)
+                p.grad = None
+        return targets, self._fp32_copies(half, targets)
 
     def _fp32_copies(self, half_grads, targets) -> List[torch.Tensor]:
         """fp32 copies of ``half_grads`` (one fused copy per device).
@@ -243,18 +248,19 @@ class OptimizerState:
 
     def adopt_raw_grads(self, found_inf: dict) -> None:
         """Move half gradients produced outside ``scale_loss`` into the masters, unscaled."""
-        raw = [(p, m) for p, m in self.masters.items() if p.grad is not None]
-        if raw:
-            fresh = self._fp32_copies([p.grad for p, _ in raw], [m for _, m in raw])
-            unscale_and_check_(fresh, 1.0, found_inf)
-            self._accumulate([m for _, m in raw], fresh)
-            for p, _ in raw:
-                p.grad = None
+        targets, fresh = self._take_half_grads()
+        unscale_and_check_(fresh, 1.0, found_inf)
+        self._accumulate(targets, fresh)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
+        """Clear model and master gradients alike, and forget set-aside or scaled ones."""
         self._zero_grad(set_to_none=set_to_none)
         for p in self.masters:
-            p.grad = None
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
         self.stash.clear()
         self.scaled_by = None
 
@@ -302,16 +308,7 @@ def _step(optimizer, closure=None):
 
 def _zero_grad(optimizer, set_to_none: bool = True):
     """``optimizer.zero_grad()``: clears model and master gradients alike."""
-    state: OptimizerState = optimizer._ampkit
-    state._zero_grad(set_to_none=set_to_none)
-    for p in state.masters:
-        if p.grad is not None:
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
-    state.stash.clear()
-    state.scaled_by = None
+    optimizer._ampkit.clear_grads(set_to_none)
 
 
 def _add_param_group(optimizer, param_group: dict):
