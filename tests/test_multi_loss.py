@@ -162,16 +162,23 @@ def test_overflow_in_a_discriminator_loss_skips_only_the_discriminator(level, k)
     assert hit[1]["scales"] == scales
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_scale_loss_unscales_only_the_given_optimizer(level):
+def _two_models(level):
+    """G and D initialized with two losses (scales 8 and 32), a batch of noise, and float64
+    copies of both whose gradients hold the reference for D(G(noise)) against ones."""
     torch.manual_seed(0)
     A, B = Gen(), Disc()
     oA, oB = torch.optim.SGD(A.parameters(), lr=0.1), torch.optim.SGD(B.parameters(), lr=0.1)
     [A, B], [oA, oB] = ampkit.initialize([A, B], [oA, oB], opt_level=level, num_losses=2, verbosity=0)
     set_scales(8, 32)
-    real, noise = data(0)
+    _, noise = data(0)
     refA, refB = f64(A), f64(B)
     bce(refB(refA(noise.double())), torch.ones(6, 1, dtype=torch.float64)).backward()
+    return A, B, oA, oB, noise, refA, refB
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_scale_loss_unscales_only_the_given_optimizer(level):
+    A, B, oA, oB, noise, refA, refB = _two_models(level)
 
     loss = bce(B(A(noise)), torch.ones(6, 1))
     with ampkit.scale_loss(loss, oA, loss_id=1) as scaled:
@@ -189,14 +196,7 @@ def test_scale_loss_unscales_only_the_given_optimizer(level):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_scale_loss_with_a_list_of_optimizers_unscales_them_all(level):
-    torch.manual_seed(0)
-    A, B = Gen(), Disc()
-    oA, oB = torch.optim.SGD(A.parameters(), lr=0.1), torch.optim.SGD(B.parameters(), lr=0.1)
-    [A, B], [oA, oB] = ampkit.initialize([A, B], [oA, oB], opt_level=level, num_losses=2, verbosity=0)
-    set_scales(8, 32)
-    real, noise = data(0)
-    refA, refB = f64(A), f64(B)
-    bce(refB(refA(noise.double())), torch.ones(6, 1, dtype=torch.float64)).backward()
+    A, B, oA, oB, noise, refA, refB = _two_models(level)
     loss = bce(B(A(noise)), torch.ones(6, 1))
     with ampkit.scale_loss(loss, [oA, oB], loss_id=0) as scaled:
         assert torch.equal(scaled, loss.float() * 8)
