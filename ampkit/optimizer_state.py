@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .opt_levels import HALF_DTYPES
-from .scaler import unscale_and_check_
+from .scaler import copy_unscale_and_check_, unscale_and_check_
 
 
 def _by_device(tensors):
@@ -75,6 +75,7 @@ class OptimizerState:
         self.scaled_by = None
         self.stash: Dict[torch.Tensor, torch.Tensor] = {}
         self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}  # master -> reusable fp32 grad
+        self._spent: List[torch.Tensor] = []  # half grads already moved to the masters
         self.pending: List = []
         self.skip: Optional[int] = None
         self._step = optimizer.step
@@ -182,14 +183,14 @@ class OptimizerState:
                 p.grad = None
         for p in self.masters:
             p.grad = None
+        self._spent = []
 
     def unscale(self, inv_scale: float, found_inf: dict) -> None:
         """Turn the scaled gradients of the last backward into clean ones."""
         self.scaled_by = None
-        targets, fresh = self._take_half_grads()
-        plain = [p for p in self.step_params() if p not in self.owner and p.grad is not None]
-        unscale_and_check_(fresh + [p.grad for p in plain], inv_scale, found_inf)
-        self._accumulate(targets, fresh)
+        self._move_half_grads(inv_scale, found_inf)
+        plain = [p.grad for p in self.step_params() if p not in self.owner and p.grad is not None]
+        unscale_and_check_(plain, inv_scale, found_inf)
         restored, add_to, add_from = [], [], []
         for p, g in self.stash.items():
             if p.grad is None:
@@ -204,40 +205,35 @@ class OptimizerState:
                 torch._foreach_add_(dst, src)
         self.stash.clear()
 
-    def _take_half_grads(self):
-        """The masters whose model parameter has a gradient, and fp32 copies of those
-        gradients; the half gradients themselves are released."""
-        half, targets = [], []
+    def _move_half_grads(self, inv_scale: float, found_inf: dict) -> None:
+        """Move the model's half gradients into the masters' fp32 gradients, times
+        ``inv_scale`` and checked for inf/NaN.
+
+        A master whose ``.grad`` is free gets the gradient in a buffer kept across steps
+        (allocating fresh memory every step costs more in page faults than the copy); one
+        accumulating a gradient gets a temporary that is added to it. The half gradients
+        leave the model but stay alive until the next :meth:`clear_grads` or
+        :meth:`before_backward`: freed here, just before the optimizer step, they would let
+        the allocator hand their pages back to the system and the next backward would
+        fault them in again.
+        """
+        half, targets, out = [], [], []
         for p, m in self.masters.items():
             if p.grad is not None:
                 half.append(p.grad)
                 targets.append(m)
                 p.grad = None
-        return targets, self._fp32_copies(half, targets)
-
-    def _fp32_copies(self, half_grads, targets) -> List[torch.Tensor]:
-        """fp32 copies of ``half_grads`` (one fused copy per device).
-
-        A master whose ``.grad`` is free gets its copy in a buffer kept across steps:
-        allocating tens of MB of fresh memory every step costs more in page faults than
-        the copy itself. While accumulating, a temporary copy is added to the master grad.
-        """
-        out = []
-        for m in targets:
-            if m.grad is None:
-                buf = self._grad_buffers.get(m)
-                if buf is None:
-                    buf = self._grad_buffers[m] = torch.empty_like(m)
-                out.append(buf)
-            else:
-                out.append(torch.empty_like(m))
-        _copy_(out, half_grads)
-        return out
-
-    @staticmethod
-    def _accumulate(targets, grads) -> None:
+                if m.grad is None:
+                    buf = self._grad_buffers.get(m)
+                    if buf is None:
+                        buf = self._grad_buffers[m] = torch.empty_like(m)
+                    out.append(buf)
+                else:
+                    out.append(torch.empty_like(m))
+        self._spent = half
+        copy_unscale_and_check_(out, half, inv_scale, found_inf)
         add_to, add_from = [], []
-        for m, g in zip(targets, grads):
+        for m, g in zip(targets, out):
             if m.grad is None:
                 m.grad = g
             else:
@@ -248,9 +244,7 @@ class OptimizerState:
 
     def adopt_raw_grads(self, found_inf: dict) -> None:
         """Move half gradients produced outside ``scale_loss`` into the masters, unscaled."""
-        targets, fresh = self._take_half_grads()
-        unscale_and_check_(fresh, 1.0, found_inf)
-        self._accumulate(targets, fresh)
+        self._move_half_grads(1.0, found_inf)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
         """Clear model and master gradients alike, and forget set-aside or scaled ones."""
@@ -263,6 +257,7 @@ class OptimizerState:
                     p.grad.detach_().zero_()
         self.stash.clear()
         self.scaled_by = None
+        self._spent = []
 
     def copy_masters_to_model(self) -> None:
         if self.masters:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LossScaler", "unscale_and_check_"]
+__all__ = ["LossScaler", "copy_unscale_and_check_", "unscale_and_check_"]
 
 
 class LossScaler:
@@ -108,6 +108,16 @@ class LossScaler:
             raise ValueError(f"{name}['consecutive_overflows']={streak!r}: expected a non-negative integer.")
 
 
+CACHE_BLOCK = 2**18  # elements per CPU block: 1 MiB of fp32 and 512 KiB of half, read back from L2
+
+
+def _flag(found_inf: dict, device: torch.device) -> torch.Tensor:
+    flag = found_inf.get(device)
+    if flag is None:
+        flag = found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return flag
+
+
 def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
 
@@ -119,8 +129,46 @@ def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), group in groups.items():
-        flag = found_inf.get(device)
-        if flag is None:
-            flag = found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
         inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, _flag(found_inf, device), inv)
+
+
+def copy_unscale_and_check_(dst, src, inv_scale: float, found_inf: dict) -> None:
+    """``dst[i] = src[i] * inv_scale`` (half gradients into fp32 buffers), flagging
+    non-finite values in ``found_inf`` as :func:`unscale_and_check_` does.
+
+    A fused copy then a fused unscale-and-check, per device. On CPU they alternate block
+    by block (about ``CACHE_BLOCK`` elements each), so the check reads what the copy has
+    just written from cache instead of memory.
+    """
+    groups = {}
+    for d, s in zip(dst, src):
+        pair = groups.setdefault(d.device, ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for device, (ds, ss) in groups.items():
+        flag = _flag(found_inf, device)
+        inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+        for block_d, block_s in (_cache_blocks(ds, ss) if device.type == "cpu" else [(ds, ss)]):
+            torch._foreach_copy_(block_d, block_s)
+            torch._amp_foreach_non_finite_check_and_unscale_(block_d, flag, inv)
+
+
+def _cache_blocks(dst, src):
+    """The ``(dst, src)`` pairs regrouped into lists of about ``CACHE_BLOCK`` elements;
+    contiguous pairs larger than a block are split into flat views."""
+    block_d, block_s, n = [], [], 0
+    for d, s in zip(dst, src):
+        if d.numel() > CACHE_BLOCK and d.is_contiguous() and s.is_contiguous():
+            pieces = zip(torch.split(d.view(-1), CACHE_BLOCK), torch.split(s.view(-1), CACHE_BLOCK))
+        else:
+            pieces = ((d, s),)
+        for pd, ps in pieces:
+            block_d.append(pd)
+            block_s.append(ps)
+            n += pd.numel()
+            if n >= CACHE_BLOCK:
+                yield block_d, block_s
+                block_d, block_s, n = [], [], 0
+    if block_d:
+        yield block_d, block_s

@@ -2,6 +2,7 @@
 clipping through ``master_params``, ``add_param_group``, ``step``/``zero_grad`` edge cases,
 skipped steps and the one-device rule."""
 import copy
+import weakref
 
 import pytest
 import torch
@@ -368,6 +369,31 @@ def test_zero_grad_clears_model_and_master_grads(level, set_to_none):
         x, y = batch(step)
         assert torch.equal(amp_step(model, opt, x, y), ref.step(x, y))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.model.parameters()))
+
+
+@pytest.mark.parametrize("release", ["zero_grad", "next backward"])
+def test_half_grads_leave_the_model_at_unscale_and_are_freed_before_the_next_backward(release):
+    """Moved into the masters, the half gradients are gone from the model at once, but their
+    memory is released only at the next zero_grad or scale_loss backward (not just before
+    the optimizer step, where the allocator would hand the pages back to the system)."""
+
+    model = Net()
+    model, opt = init(model, torch.optim.SGD(model.parameters(), lr=0.1), "O5")
+    x, y = batch(0)
+    with ampkit.scale_loss(loss_fn(model(x), y), opt) as scaled:
+        scaled.backward()
+        half = weakref.ref(model.fc1.weight.grad)
+    assert model.fc1.weight.grad is None and half() is not None
+    assert next(ampkit.master_params(opt)).grad.dtype == torch.float32
+    opt.step()
+    assert half() is not None
+    if release == "zero_grad":
+        opt.zero_grad()
+    else:
+        with ampkit.scale_loss(loss_fn(model(x), y), opt) as scaled:
+            assert half() is None
+            scaled.backward()
+    assert half() is None
 
 
 def poison_once(param):

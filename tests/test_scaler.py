@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from ampkit.scaler import LossScaler, unscale_and_check_
+from ampkit import scaler
+from ampkit.scaler import LossScaler, copy_unscale_and_check_, unscale_and_check_
 
 
 def test_dynamic_defaults_follow_apex():
@@ -76,3 +77,55 @@ def test_unscale_and_check_(dtype):
     grads.append(torch.tensor([1.0, float("nan")], dtype=dtype))
     unscale_and_check_(grads, 1.0, found)
     assert found[torch.device("cpu")].item() == 1.0
+
+
+def _half_grads(dtype):
+    """Gradients of several sizes, one non-contiguous, with values that fp16 only holds scaled."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5,), (3, 7), (40,), (1,), (6, 4)]
+    grads = [(torch.randn(s, generator=g) * 2.0**12).to(dtype) for s in shapes]
+    grads[1] = grads[1].t()  # non-contiguous source
+    return grads
+
+
+@pytest.mark.parametrize("block", [8, 2**18])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_unscale_and_check_matches_two_passes(dtype, block, monkeypatch):
+    """Block by block (tensors split and regrouped) or whole, the result is the exact product
+    of the fp32 value and the power-of-two inverse scale, in the fp32 buffers."""
+    monkeypatch.setattr(scaler, "CACHE_BLOCK", block)
+    src = _half_grads(dtype)
+    dst = [torch.full(s.shape, float("nan")) for s in src]
+    found = {}
+    copy_unscale_and_check_(dst, src, 2.0**-16, found)
+    for d, s in zip(dst, src):
+        assert d.dtype == torch.float32 and torch.equal(d, s.float() * 2.0**-16)
+    assert found[torch.device("cpu")].item() == 0.0
+
+
+@pytest.mark.parametrize("where", [(0, 2), (2, 0), (2, 39), (4, 23)])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_copy_unscale_and_check_flags_any_block(bad, where, monkeypatch):
+    monkeypatch.setattr(scaler, "CACHE_BLOCK", 8)
+    src = _half_grads(torch.float16)
+    i, j = where
+    src[i].view(-1)[j] = bad
+    found = {torch.device("cpu"): torch.zeros(1)}
+    copy_unscale_and_check_([torch.empty(s.shape) for s in src], src, 0.5, found)
+    assert found[torch.device("cpu")].item() == 1.0
+    # A flag already raised stays raised.
+    copy_unscale_and_check_([torch.empty(3)], [torch.ones(3, dtype=torch.float16)], 1.0, found)
+    assert found[torch.device("cpu")].item() == 1.0
+
+
+def test_cache_blocks_cover_every_element_once(monkeypatch):
+    monkeypatch.setattr(scaler, "CACHE_BLOCK", 8)
+    src = _half_grads(torch.bfloat16)
+    dst = [torch.zeros(s.shape) for s in src]
+    blocks = list(scaler._cache_blocks(dst, src))
+    assert all(sum(d.numel() for d in bd) >= 8 for bd, _ in blocks[:-1])
+    for bd, bs in blocks:
+        for d, s in zip(bd, bs):
+            assert d.shape == s.shape
+            d.add_(1.0)
+    assert all(torch.equal(d, torch.ones(d.shape)) for d in dst)
