@@ -21,18 +21,6 @@ def _by_device(tensors):
     return groups.values()
 
 
-def _copy_(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, one fused kernel per device."""
-    groups = {}
-    for d, s in zip(dst, src):
-        pair = groups.setdefault(d.device, ([], []))
-        pair[0].append(d)
-        pair[1].append(s)
-    with torch.no_grad():
-        for d, s in groups.values():
-            torch._foreach_copy_(d, s)
-
-
 def _make_master(param: torch.Tensor, original: Optional[torch.Tensor] = None) -> torch.Tensor:
     """An fp32 leaf copy of ``param``; from its pre-cast fp32 value when one is given."""
     if original is not None and original.dtype == torch.float32 and original.shape == param.shape:
@@ -188,8 +176,8 @@ class OptimizerState:
     def unscale(self, inv_scale: float, found_inf: dict) -> None:
         """Turn the scaled gradients of the last backward into clean ones."""
         self.scaled_by = None
+        plain = [p.grad for p in self.step_params() if p.grad is not None and p not in self.owner]
         self._move_half_grads(inv_scale, found_inf)
-        plain = [p.grad for p in self.step_params() if p not in self.owner and p.grad is not None]
         unscale_and_check_(plain, inv_scale, found_inf)
         restored, add_to, add_from = [], [], []
         for p, g in self.stash.items():
@@ -260,8 +248,10 @@ class OptimizerState:
         self._spent = []
 
     def copy_masters_to_model(self) -> None:
+        """One fused copy: with master weights the optimizer is on one device."""
         if self.masters:
-            _copy_(list(self.masters), list(self.masters.values()))
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.masters), list(self.masters.values()))
 
 
 def _wrapped_step(optimizer, previous):

@@ -190,30 +190,37 @@ def alternate(amp, hand, batches, device, repeats, warmup, steps):
     return times, per_repeat
 
 
-def bench_overhead(cfg, device):
-    lm = cfg["overhead_lm"]
-    # The same layer structure (30 parameter tensors) with almost no arithmetic: ampkit's fixed cost per step.
+def overhead_worker(level, lm, steps, repeats, warmup, device, threads, report=None):
+    """In a fresh process: ampkit and the hand-written loop at ``level``, alternating step by
+    step, on the model and on a tiny model of the same structure (ampkit's fixed cost)."""
+    torch.set_num_threads(threads)
+    device = torch.device(device)
+    # The same layer structure (30 parameter tensors) with almost no arithmetic.
     tiny = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=lm.n_layers, seq_len=8, batch=2)
-    rows = []
-    for level in ("O1", "O4", "O2", "O5"):
-        found = {}
-        for name, spec, steps in (("model", lm, cfg["overhead_steps"]), ("tiny", tiny, 100)):
-            batches = [(x.to(device), y.to(device)) for x, y in lm_batches(spec, 4)]
-            torch.manual_seed(0)
-            amp = AmpkitLoop(TinyLM(spec).to(device), level, lm_loss)
-            torch.manual_seed(0)
-            hand = hand_loop(level, TinyLM(spec).to(device), lm_loss, device)
-            found[name] = alternate(amp, hand, batches, device, cfg["repeats"], cfg["warmup"], steps) + (amp, hand)
-        (times, per_repeat, amp, hand), (tiny_times, _, _, _) = found["model"], found["tiny"]
-        rows.append({
-            "level": level,
-            "baseline": "autocast + GradScaler" if level in ("O1", "O4") else "half model + fp32 masters",
-            "ampkit_ms": 1e3 * median(times["ampkit"]), "hand_ms": 1e3 * median(times["hand"]),
-            "ratio": median(times["ampkit"]) / median(times["hand"]),
-            "ratio_per_repeat": per_repeat, "steps_per_variant": len(times["ampkit"]),
-            "fixed_extra_ms": 1e3 * (median(tiny_times["ampkit"]) - median(tiny_times["hand"])),
-            "skipped": {"ampkit": amp.skipped(), "hand": hand.skipped()},
-        })
+    found = {}
+    for name, spec, n in (("model", lm, steps), ("tiny", tiny, 100)):
+        batches = [(x.to(device), y.to(device)) for x, y in lm_batches(spec, 4)]
+        torch.manual_seed(0)
+        amp = AmpkitLoop(TinyLM(spec).to(device), level, lm_loss)
+        torch.manual_seed(0)
+        hand = hand_loop(level, TinyLM(spec).to(device), lm_loss, device)
+        found[name] = alternate(amp, hand, batches, device, repeats, warmup, n) + (amp, hand)
+    (times, per_repeat, amp, hand), (tiny_times, _, _, _) = found["model"], found["tiny"]
+    return {
+        "level": level,
+        "baseline": "autocast + GradScaler" if level in ("O1", "O4") else "half model + fp32 masters",
+        "ampkit_ms": 1e3 * median(times["ampkit"]), "hand_ms": 1e3 * median(times["hand"]),
+        "ratio": median(times["ampkit"]) / median(times["hand"]),
+        "ratio_per_repeat": per_repeat, "steps_per_variant": len(times["ampkit"]),
+        "fixed_extra_ms": 1e3 * (median(tiny_times["ampkit"]) - median(tiny_times["hand"])),
+        "skipped": {"ampkit": amp.skipped(), "hand": hand.skipped()},
+    }
+
+
+def bench_overhead(cfg, device, threads):
+    lm = cfg["overhead_lm"]
+    rows = [isolated(overhead_worker, level, lm, cfg["overhead_steps"], cfg["repeats"], cfg["warmup"], str(device), threads)
+            for level in ("O1", "O4", "O2", "O5")]
     return {"model": f"TinyLM {vars(lm)}", "params": params_of(TinyLM(lm)), "rows": rows}
 
 
@@ -313,19 +320,23 @@ def bench_unscale(cfg, device):
         grads = [torch.randn(n // chunks, device=device).to(dtype) for _ in params]
         src = torch.randn(n, device=device).to(dtype)
         dst = torch.empty_like(src)
-        half = dtype != torch.float32
-        t_amp, t_copy = [], []
+        # The floor of any master-weight path: the bare half -> fp32 conversion copy.
+        wide = torch.empty(n, device=device) if dtype != torch.float32 else None
+        t_amp, t_copy, t_wide = [], [], []
         for _ in range(cfg["unscale_iters"]):
             t_amp.append(timed(_unscale_once, device, opt, params, grads))
             t_copy.append(timed(dst.copy_, device, src))
+            if wide is not None:
+                t_wide.append(timed(wide.copy_, device, src))
         gb = n * src.element_size() / 1e9
         rows.append({
             "level": level, "grad_dtype": str(dtype).replace("torch.", ""), "elements": n, "tensors": chunks,
-            "path": "fp32 grads: unscale + check in place" if not half else "half grads -> reused fp32 master-grad buffers, unscale + check",
+            "path": "fp32 grads: unscale + check in place" if wide is None else "half grads -> fp32 master grads: copy, unscale + check",
             "ampkit_GBps": gb / median(t_amp), "copy_GBps": gb / median(t_copy),
             "ratio": median(t_copy) / median(t_amp),
+            "vs_conversion": None if wide is None else median(t_wide) / median(t_amp),
         })
-        del model, opt, params, grads, src, dst
+        del model, opt, params, grads, src, dst, wide
     return {"rows": rows, "syncs": count_syncs(device)}
 
 
@@ -412,7 +423,8 @@ def report(results, quick):
                 table(r["rows"], [
                     ("level", "level", "{}"), ("grads", "grad_dtype", "{}"), ("elements", lambda x: x["elements"] / 1e6, "{:.1f}M"),
                     ("path", "path", "{}"), ("ampkit GB/s", "ampkit_GBps", "{:.2f}"), ("copy GB/s", "copy_GBps", "{:.2f}"),
-                    ("ratio", "ratio", "{:.2f}")]),
+                    ("ratio", "ratio", "{:.2f}"),
+                    ("vs half->fp32 copy", lambda x: "-" if x["vs_conversion"] is None else f"{x['vs_conversion']:.2f}", "{}")]),
                 "\n3b. Host syncs per training step (counted at the dispatcher: _local_scalar_dense, nonzero, masked_select)",
                 table(r["syncs"], [(k, k, "{:g}") for k in r["syncs"][0]])]
     if "memory" in results:
@@ -470,7 +482,7 @@ def main(argv=None):
     info = machine(device)
     print(f"ampkit {ampkit.__version__} benchmarks{' --quick' if args.quick else ''}: {info}", flush=True)
     benches = {
-        "overhead": lambda: bench_overhead(cfg, device),
+        "overhead": lambda: bench_overhead(cfg, device, args.threads),
         "speedup": lambda: bench_speedup(cfg, device, args.threads),
         "unscale": lambda: bench_unscale(cfg, device),
         "memory": lambda: bench_memory(cfg, device, args.threads),
