@@ -21,6 +21,9 @@ def _by_device(tensors):
     return groups.values()
 
 
+REUSED_GRADS_BYTES = 32 * 2**20  # fp32 master gradients at least this large reuse buffers
+
+
 def _make_master(param: torch.Tensor, original: Optional[torch.Tensor] = None) -> torch.Tensor:
     """An fp32 leaf copy of ``param``; from its pre-cast fp32 value when one is given."""
     if original is not None and original.dtype == torch.float32 and original.shape == param.shape:
@@ -62,7 +65,7 @@ class OptimizerState:
         self.owner: Dict[torch.Tensor, torch.Tensor] = {}
         self.scaled_by = None
         self.stash: Dict[torch.Tensor, torch.Tensor] = {}
-        self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}  # master -> reusable fp32 grad
+        self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}  # master -> its fp32 grad, when reused
         self._spent: List[torch.Tensor] = []  # half grads already moved to the masters
         self.pending: List = []
         self.skip: Optional[int] = None
@@ -197,28 +200,27 @@ class OptimizerState:
         """Move the model's half gradients into the masters' fp32 gradients, times
         ``inv_scale`` and checked for inf/NaN.
 
-        A master whose ``.grad`` is free gets the gradient in a buffer kept across steps
-        (allocating fresh memory every step costs more in page faults than the copy); one
-        accumulating a gradient gets a temporary that is added to it. The half gradients
-        leave the model but stay alive until the next :meth:`clear_grads` or
-        :meth:`before_backward`: freed here, just before the optimizer step, they would let
-        the allocator hand their pages back to the system and the next backward would
-        fault them in again.
+        Where the fp32 gradients come from depends on their total size. Below
+        ``REUSED_GRADS_BYTES`` they are fresh tensors every step: the allocator serves them
+        from memory the backward has just freed, still in cache. Above it, each master
+        keeps one buffer across steps: that much fresh memory would be handed back to the
+        system between steps and page-faulted in again, which costs more than the copy. A
+        master already holding a gradient (accumulation) gets a fresh one to add to it.
+
+        The half gradients leave the model but stay alive until the next
+        :meth:`clear_grads` or :meth:`before_backward`: freed here, just before the optimizer
+        step, they would let the allocator trim the heap and the next backward would fault
+        the pages back in.
         """
-        half, targets, out = [], [], []
+        half, targets = [], []
         for p, m in self.masters.items():
             if p.grad is not None:
                 half.append(p.grad)
                 targets.append(m)
                 p.grad = None
-                if m.grad is None:
-                    buf = self._grad_buffers.get(m)
-                    if buf is None:
-                        buf = self._grad_buffers[m] = torch.empty_like(m)
-                    out.append(buf)
-                else:
-                    out.append(torch.empty_like(m))
         self._spent = half
+        reuse = 4 * sum(m.numel() for m in targets) >= REUSED_GRADS_BYTES
+        out = [self._buffer(m) if reuse and m.grad is None else torch.empty_like(m) for m in targets]
         copy_unscale_and_check_(out, half, inv_scale, found_inf)
         add_to, add_from = [], []
         for m, g in zip(targets, out):
@@ -229,6 +231,12 @@ class OptimizerState:
                 add_from.append(g)
         if add_to:
             torch._foreach_add_(add_to, add_from)
+
+    def _buffer(self, master: torch.Tensor) -> torch.Tensor:
+        buf = self._grad_buffers.get(master)
+        if buf is None:
+            buf = self._grad_buffers[master] = torch.empty_like(master)
+        return buf
 
     def adopt_raw_grads(self, found_inf: dict) -> None:
         """Move half gradients produced outside ``scale_loss`` into the masters, unscaled."""

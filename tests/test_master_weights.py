@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ampkit
+from ampkit import optimizer_state
 from ampkit.frontend import Session, current_session
 
 HALF = {"O2": torch.float16, "O5": torch.bfloat16}
@@ -123,9 +124,13 @@ def test_fused_support_on_cpu_is_as_listed():
         assert supported == (name in FUSED_ON_CPU), name
 
 
+@pytest.mark.parametrize("grads", ["fresh", "reused"])
 @pytest.mark.parametrize("name,variant", CASES)
 @pytest.mark.parametrize("level", ["O2", "O5"])
-def test_matches_hand_written_master_weight_loop(level, name, variant):
+def test_matches_hand_written_master_weight_loop(level, name, variant, grads, monkeypatch):
+    """Bit-identical either way the fp32 master gradients are held: fresh every step (small
+    models) or one buffer per master reused across steps (large ones)."""
+    monkeypatch.setattr(optimizer_state, "REUSED_GRADS_BYTES", 0 if grads == "reused" else 2**62)
     cls, kw = optimizer_kwargs(name, variant)
     base = Net()
     ref = Reference(base, HALF[level], cls, kw, SCALE[level])
@@ -150,6 +155,8 @@ def test_matches_hand_written_master_weight_loop(level, name, variant):
                 assert mine[k].dtype == torch.float32, (n, k)
     assert torch.equal(model.bn.running_mean, ref.model.bn.running_mean)
     assert all(m.grad is None for m in masters[:2] + masters[4:])  # master grads released after step
+    reused = [id(m) for m in opt._ampkit._grad_buffers]
+    assert reused == ([id(m) for m in masters[:2] + masters[4:]] if grads == "reused" else [])
 
 
 def test_masters_start_from_the_fp32_weights_and_take_over_existing_state():
