@@ -3,12 +3,13 @@
     python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling]
 
 1. overhead: ampkit O1/O4 vs a hand-written torch.autocast + torch.amp.GradScaler loop, and
-   O2/O5 vs a hand-written half model + fp32 master loop; per-step times, the two variants
-   alternating step by step, 3 repeats. Target: median ratio <= 1.02.
+   O2/O5 vs a hand-written half model + fp32 master loop; per level one fresh process in
+   which the two variants alternate step by step, 3 repeats. Target: median ratio <= 1.02.
 2. speedup: steps/s of O0, O4, O5 on the transformer (d_model 512) and the CNN, each
    repeat of each level in a fresh process, levels interleaved. Target: O5 >= 2.5x O0 (LM).
 3. unscale: ampkit's unscale + overflow check over >= 50M gradient elements (fp32 grads,
-   and half grads into fp32 masters) vs a torch copy of the same bytes, and host syncs per
+   and half grads into fp32 masters) vs a torch copy of the same bytes (and, for half grads,
+   vs the bare half -> fp32 conversion copy), and host syncs per
    step counted at the dispatcher. Targets: >= 0.5 of copy bandwidth; exactly 1 sync.
 4. memory: peak RSS per level on the transformer with an activation-heavy batch, one fresh
    process per level. Target: O3 and O5 <= 0.6x O0.
@@ -16,6 +17,7 @@
 
 ``--quick`` shrinks sizes and repeats to check that everything runs (well under a minute); its
 figures are not valid for the targets. Nothing here runs in the unit tests.
+``benchmarks/plot.py`` draws speed-up and memory per level from the JSON.
 """
 import argparse
 import json
