@@ -212,23 +212,25 @@ class OptimizerState:
         step, they would let the allocator trim the heap and the next backward would fault
         the pages back in.
         """
-        half, targets = [], []
+        half, targets, numel = [], [], 0
         for p, m in self.masters.items():
             if p.grad is not None:
                 half.append(p.grad)
                 targets.append(m)
+                numel += m.numel()
                 p.grad = None
         self._spent = half
-        reuse = 4 * sum(m.numel() for m in targets) >= REUSED_GRADS_BYTES
-        out = [self._buffer(m) if reuse and m.grad is None else torch.empty_like(m) for m in targets]
-        copy_unscale_and_check_(out, half, inv_scale, found_inf)
-        add_to, add_from = [], []
-        for m, g in zip(targets, out):
+        reuse = 4 * numel >= REUSED_GRADS_BYTES
+        out, add_to, add_from = [], [], []
+        for m in targets:
             if m.grad is None:
-                m.grad = g
+                m.grad = self._buffer(m) if reuse else torch.empty_like(m)
+                out.append(m.grad)
             else:
+                out.append(torch.empty_like(m))
                 add_to.append(m.grad)
-                add_from.append(g)
+                add_from.append(out[-1])
+        copy_unscale_and_check_(out, half, inv_scale, found_inf)
         if add_to:
             torch._foreach_add_(add_to, add_from)
 
