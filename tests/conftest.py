@@ -1,5 +1,9 @@
+from pathlib import Path
+
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -22,3 +26,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.repo_files("examples", ...)``: skip, with the reason, when the tests run
+    from outside a checkout (say, against an installed wheel) and those files are absent."""
+    for mark in item.iter_markers("repo_files"):
+        missing = [p for p in mark.args if not (REPO / p).exists()]
+        if missing:
+            pytest.skip(f"needs the repository's {', '.join(missing)} (absent next to these tests: {REPO})")

@@ -14,9 +14,10 @@ from ampkit import cli, demo, opt_levels
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_python_m_ampkit_levels():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "ampkit", "levels"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "ampkit", "levels"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == opt_levels.format_table().strip()
     assert all(f"{lvl}: " in proc.stdout for lvl in opt_levels.OPT_LEVELS)
@@ -44,6 +45,7 @@ def test_bad_arguments(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_table_and_json(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert cli.main(["demo", "--steps", "3", "--levels", "O0,O2,O5", "--device", "cpu", "--json", str(path)]) == 0

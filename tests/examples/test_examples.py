@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.slow, pytest.mark.repo_files("examples")]  # real processes
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
@@ -22,7 +24,7 @@ EXAMPLES = ROOT / "examples"
 def run(script, *args, cwd):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 

@@ -2,8 +2,9 @@
 
 ``run(fn, n, *args)`` spawns ``n`` processes; rank ``r`` calls ``fn(r, n, *args)`` inside
 an initialized gloo process group (file rendezvous, so no port can be taken by someone
-else) and its return value comes back through ``torch.save``. Nothing hangs: the process
-group has a small timeout, and workers still alive at the deadline are killed.
+else) and its return value comes back through ``torch.save``. Nothing hangs: the
+process group has a timeout, and workers still alive at the deadline are killed. Both are
+generous (minutes): they end a hung run and never decide a verdict on a slow machine.
 """
 import datetime
 import os
@@ -37,7 +38,7 @@ def _worker(fn, rank, world_size, tmp, pg_timeout, args):
     os._exit(0 if outcome["ok"] else 1)  # a failed rank leaves at once; its peers see it go
 
 
-def launch(fn, world_size, *args, timeout=60.0, pg_timeout=30.0):
+def launch(fn, world_size, *args, timeout=600.0, pg_timeout=300.0):
     """Every rank's outcome: ``{"ok", "value" | "error", "traceback", "exit_time"}``, or ``{"ok": False, "error": "hung"/"died"}``."""
     ctx = get_context("spawn")
     saved = os.environ.get("OMP_NUM_THREADS")
@@ -69,7 +70,7 @@ def launch(fn, world_size, *args, timeout=60.0, pg_timeout=30.0):
     return outcomes
 
 
-def run(fn, world_size, *args, timeout=60.0, pg_timeout=30.0):
+def run(fn, world_size, *args, timeout=600.0, pg_timeout=300.0):
     """Every rank's return value; raise :class:`WorkerError` if any rank failed."""
     outcomes = launch(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout)
     if not all(o["ok"] for o in outcomes):

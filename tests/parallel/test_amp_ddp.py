@@ -132,7 +132,7 @@ def _resume(rank, level, data, path):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run(_worker, 2, str(tmp_path_factory.mktemp("checkpoints")), timeout=120)
+    return run(_worker, 2, str(tmp_path_factory.mktemp("checkpoints")), timeout=600)
 
 
 def _reference(level, name):
@@ -152,6 +152,7 @@ def _assert_identical(a, b, what):
 CASES = [(level, name) for name, (levels, _, _) in SCENARIOS.items() for level in levels]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level, name", CASES, ids=[f"{lv}-{n}" for lv, n in CASES])
 def test_matches_single_process_and_ranks_agree(two_ranks, level, name):
     key = f"{level}/{name}"
@@ -164,6 +165,7 @@ def test_matches_single_process_and_ranks_agree(two_ranks, level, name):
             torch.testing.assert_close(x.float(), y.float(), **TOLERANCE[level], msg=f"{key}: {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_every_rank_skips_the_poisoned_step(two_ranks, level):
     for rank in two_ranks:
@@ -172,11 +174,13 @@ def test_every_rank_skips_the_poisoned_step(two_ranks, level):
         assert rank[f"{level}/train"]["amp"]["loss_scaler0"]["unskipped"] == STEPS
 
 
+@pytest.mark.slow
 def test_initialize_picks_fp32_allreduce_where_there_are_no_masters(two_ranks):
     # O3 keeps half weights without fp32 masters: its half gradients are summed in fp32.
     assert {lv: two_ranks[0][f"{lv}/fp32_allreduce"] for lv in LEVELS} == {lv: lv == "O3" for lv in LEVELS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_resumes_bit_identically(two_ranks, level):
     for rank in two_ranks:  # "train" is the same run, uninterrupted

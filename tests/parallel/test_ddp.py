@@ -148,16 +148,19 @@ def _check_scenario(results, name):
         torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_match_single_process(two_ranks, name):
     _check_scenario(two_ranks, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", THREE_RANKS)
 def test_three_ranks_match_single_process(three_ranks, name):
     _check_scenario(three_ranks, name)
 
 
+@pytest.mark.slow
 def test_options_give_the_same_update(two_ranks):
     base = {F32: two_ranks[0]["fp32"]["final"], F16: two_ranks[0]["fp16"]["final"], B16: two_ranks[0]["bf16"]["final"]}
     for name, (dtype, _) in SCENARIOS.items():
@@ -168,10 +171,12 @@ def test_options_give_the_same_update(two_ranks):
         assert all(torch.equal(a, b) for a, b in zip(two_ranks[0][name]["final"], base[F32])), name
 
 
+@pytest.mark.slow
 def test_retain_allreduce_buffers_makes_grads_bucket_views(two_ranks):
     assert two_ranks[0]["retain"]["grad_storages"] == 1
 
 
+@pytest.mark.slow
 def test_delay_allreduce_communicates_only_after_backward(two_ranks):
     for r in two_ranks:
         overlapped, calls = r["overlap_delay=False"]
@@ -180,6 +185,7 @@ def test_delay_allreduce_communicates_only_after_backward(two_ranks):
         assert calls == 1 and not any(delayed)
 
 
+@pytest.mark.slow
 def test_disable_allreduce_accumulates_locally(two_ranks):
     a, b = (r["accumulate"] for r in two_ranks)
     assert a["local_grads_differ"] == [True, False, True, False]

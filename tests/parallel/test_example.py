@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.repo_files("examples")]  # real processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,7 +21,7 @@ def test_example_trains_under_torchrun():
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -139,16 +139,19 @@ def three_ranks():
     return run(_worker, 3, THREE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TWO))
 def test_two_ranks_equal_one_batchnorm(two_ranks, name):
     _check(two_ranks, name, TWO[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(THREE))
 def test_three_ranks_equal_one_batchnorm(three_ranks, name):
     _check(three_ranks, name, THREE[name])
 
 
+@pytest.mark.slow
 def test_channel_last_output_is_channels_last(two_ranks):
     assert all(r["channel_last"]["channels_last"] for r in two_ranks)
     assert all(r["channels_last_input"]["channels_last"] for r in two_ranks)
@@ -165,6 +168,7 @@ def _bad_group_sizes():
     return errors
 
 
+@pytest.mark.slow
 def test_create_syncbn_process_group_checks_division(three_ranks):
     errors = three_ranks[0]["bad_group_sizes"]
     assert len(errors) == 3

@@ -435,6 +435,7 @@ def test_bad_inputs_md_matches_the_table():
     assert MD.read_text() == text, "BAD_INPUTS.md is stale: rerun with AMPKIT_WRITE_BAD_INPUTS=1"
 
 
+@pytest.mark.repo_files("README.md")
 def test_readme_carries_the_same_table():
     table = render_markdown().split("\n| call |", 1)[1].split("\n\n", 1)[0]
     readme = (Path(__file__).parents[2] / "README.md").read_text()

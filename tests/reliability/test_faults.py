@@ -213,6 +213,7 @@ def _long_run_faults(steps=5000, every=300, quiet=(1600, 3700)):
     return faults
 
 
+@pytest.mark.slow
 def test_long_float16_O2_run_with_periodic_overflow():
     steps = 5000
     torch.manual_seed(0)

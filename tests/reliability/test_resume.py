@@ -18,6 +18,8 @@ from ampkit import checkpoint
 from . import _resume_worker as worker
 from ._harness import raw
 
+pytestmark = pytest.mark.slow  # real processes
+
 WORKER = Path(worker.__file__).resolve()
 REPO = Path(ampkit.__file__).resolve().parent.parent
 TOTAL, EVERY = 40, 6
@@ -57,7 +59,7 @@ def _run_until(proc, stop_at=None):
         else:
             other.append(line)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    proc.wait(timeout=600)
     rest = proc.stdout.readlines()  # printed before the signal landed
     late = [int(line.split()[1]) for line in rest if line.startswith("CKPT ")]
     other += [line for line in rest if not line.startswith(("CKPT ", "STEP ", "DONE"))]
