@@ -1,25 +1,40 @@
-"""ampkit: Apex-style mixed-precision training (opt levels O0-O5) on modern PyTorch."""
-from .autocasting import (
-    autocast,
-    disable_casts,
-    float_function,
-    half_function,
-    promote_function,
-    register_float_function,
-    register_half_function,
-    register_promote_function,
-)
-from . import checkpoint, normalization, parallel, surgery
-from .errors import NoEffectWarning
-from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
-from .opt_levels import OPT_LEVELS, Properties
-from .scaler import LossScaler
+"""ampkit: Apex-style mixed-precision training (opt levels O0-O5) on modern PyTorch.
 
-__version__ = "0.1.0"
+Names are imported on first use, so ``ampkit --version`` and ``ampkit --help`` start
+without importing torch.
+"""
+import importlib
 
-__all__ = [
-    "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
-    "autocast", "disable_casts", "half_function", "float_function", "promote_function",
-    "register_half_function", "register_float_function", "register_promote_function",
-    "NoEffectWarning", "OPT_LEVELS", "Properties", "LossScaler",
-]
+__version__ = "0.2.0"
+
+# public name -> the submodule that defines it ("" for a subpackage/submodule itself)
+_EXPORTS = {
+    "initialize": "frontend", "scale_loss": "frontend", "master_params": "frontend",
+    "state_dict": "frontend", "load_state_dict": "frontend",
+    "autocast": "autocasting", "disable_casts": "autocasting",
+    "half_function": "autocasting", "float_function": "autocasting", "promote_function": "autocasting",
+    "register_half_function": "autocasting", "register_float_function": "autocasting",
+    "register_promote_function": "autocasting",
+    "enable_console_logging": "logs",
+    "NoEffectWarning": "errors",
+    "OPT_LEVELS": "opt_levels", "Properties": "opt_levels",
+    "LossScaler": "scaler",
+    "checkpoint": "", "normalization": "", "parallel": "", "surgery": "",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ampkit' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    value = importlib.import_module(f".{module or name}", __name__)
+    if module:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,13 +1,16 @@
-"""The ``ampkit`` command: ``ampkit demo`` and ``ampkit levels``."""
+"""The ``ampkit`` command: ``ampkit demo`` and ``ampkit levels``.
+
+torch is imported only by the commands that need it: ``--help`` and ``--version`` start fast.
+"""
 import argparse
 from typing import List, Optional
 
-import torch
-
-from . import opt_levels
+from . import __version__
 
 
 def _levels(text: str) -> List[str]:
+    from . import opt_levels
+
     levels = [s.strip() for s in text.split(",") if s.strip()]
     for lvl in levels:
         try:
@@ -26,6 +29,8 @@ def _steps(text: str) -> int:
 def _device(text: str) -> str:
     if text == "auto":
         return text
+    import torch
+
     try:
         device = torch.device(text)
     except RuntimeError as e:
@@ -37,9 +42,10 @@ def _device(text: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampkit", description="Apex-style mixed precision (O0-O5) on modern PyTorch.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the built-in models at every opt level and print one table")
-    demo.add_argument("--levels", type=_levels, default=list(opt_levels.OPT_LEVELS), help="comma-separated, e.g. O0,O5 (default: all)")
+    demo.add_argument("--levels", type=_levels, default=None, help="comma-separated, e.g. O0,O5 (default: all)")
     demo.add_argument("--steps", type=_steps, default=30, help="training steps per model and level (default: 30)")
     demo.add_argument("--model", choices=["all", "lm", "cnn"], default="all",
                       help="lm: tiny transformer LM; cnn: small BatchNorm conv net (default: all)")
@@ -51,11 +57,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
+    from . import opt_levels
+
     if args.command == "levels":
         print(opt_levels.format_table())
         return 0
     from . import demo
 
     models = demo.MODELS if args.model == "all" else (args.model,)
-    demo.main(args.levels, args.steps, models, args.device, args.json)
+    demo.main(args.levels or list(opt_levels.OPT_LEVELS), args.steps, models, args.device, args.json)
     return 0

@@ -2,6 +2,7 @@
 import contextlib
 import itertools
 import logging
+import warnings
 from typing import List, Optional
 
 import torch
@@ -9,11 +10,11 @@ from torch import nn
 
 from . import opt_levels
 from .casting import cast_module_
+from .errors import NoEffectWarning
+from .logs import is_main_process, logger
 from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
 from .scaler import LossScaler
-
-logger = logging.getLogger("ampkit")
 
 _current = None  # the Session of the latest initialize()
 _reported = set()  # one-time notes already logged in this process
@@ -43,10 +44,6 @@ class Session:
 
     def log(self, msg: str, *args, level: int = logging.INFO) -> None:
         if self.verbosity > 0:
-            if logger.level == logging.NOTSET:
-                logger.setLevel(logging.INFO)
-            if not logger.hasHandlers():
-                logger.addHandler(logging.StreamHandler())
             logger.log(level, msg, *args)
 
     def check_devices(self, params, use_masters: bool) -> None:
@@ -348,17 +345,22 @@ def _wrap_ddp(model, props, ddp_kwargs):
 
 
 def _report(session: Session, defaults, applied, notes, optimizers, use_masters: bool) -> None:
+    for note in notes:
+        warnings.warn(note, NoEffectWarning, stacklevel=3)
     if session.verbosity == 0:
         return
     props = session.properties
-    lines = [f"Selected optimization level {defaults.opt_level}:  {opt_levels.BRIEF[defaults.opt_level]}",
-             "Defaults for this optimization level are:"]
-    lines += [f"{k:24}: {opt_levels._show(v)}" for k, v in defaults.rows()]
-    lines.append("Overrides applied: " + (", ".join(f"{k}={opt_levels._show(v)}" for k, v in applied.items()) or "none"))
-    lines.append("After processing overrides, optimization options are:")
-    lines += [f"{k:24}: {opt_levels._show(v)}" for k, v in props.rows()]
-    lines += ["Note: " + n for n in notes]
-    session.log("\n".join(lines))
+    if is_main_process():
+        if session.verbosity == 1:
+            session.log("ampkit %s: %s", defaults.opt_level, summary(props, use_masters))
+        else:
+            lines = [f"Selected optimization level {defaults.opt_level}:  {opt_levels.BRIEF[defaults.opt_level]}",
+                     "Defaults for this optimization level are:"]
+            lines += [f"{k:24}: {opt_levels._show(v)}" for k, v in defaults.rows()]
+            lines.append("Overrides applied: " + (", ".join(f"{k}={opt_levels._show(v)}" for k, v in applied.items()) or "none"))
+            lines.append("After processing overrides, optimization options are:")
+            lines += [f"{k:24}: {opt_levels._show(v)}" for k, v in props.rows()]
+            session.log("\n".join(lines))
     half = props.cast_model_type if props.cast_model_type in opt_levels.HALF_DTYPES else None
     if half is not None and not use_masters:
         for opt in optimizers:
@@ -376,6 +378,20 @@ def _report(session: Session, defaults, applied, notes, optimizers, use_masters:
             "kernels); bfloat16 (O4/O5, or half_dtype=torch.bfloat16) is the fast path on CPUs.",
             session.device_type,
         )
+
+
+def summary(props, use_masters: bool) -> str:
+    """One line on what a resolved level does: model dtype, autocast, masters, loss scale."""
+    cast = props.cast_model_type
+    parts = [f"model {opt_levels._show(cast)}" if cast is not None else "model dtype unchanged"]
+    if cast in opt_levels.HALF_DTYPES and props.keep_batchnorm_fp32:
+        parts[0] += " (BatchNorm float32)"
+    if props.patch_torch_functions:
+        parts.append(f"autocast to {opt_levels._show(props.half_dtype)}")
+    parts.append("fp32 master weights" if use_masters else "no master weights")
+    scale = props.loss_scale
+    parts.append("dynamic loss scale" if scale == "dynamic" else f"static loss scale {scale}")
+    return ", ".join(parts)
 
 
 @contextlib.contextmanager

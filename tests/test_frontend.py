@@ -298,20 +298,69 @@ def test_disable_casts_is_a_no_op_without_autocast(device):
         assert (torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)).dtype == torch.float32
 
 
-def test_verbosity_reports_once_and_zero_is_silent(device, caplog):
+def test_verbosity_one_line_two_full_zero_silent(device, caplog):
     with caplog.at_level(logging.INFO, logger="ampkit"):
         model, opt = make(device)
-        ampkit.initialize(model, opt, opt_level="O1", keep_batchnorm_fp32=True, loss_scale=128)
+        with pytest.warns(ampkit.NoEffectWarning, match="keep_batchnorm_fp32=True has no effect at O1"):
+            ampkit.initialize(model, opt, opt_level="O1", keep_batchnorm_fp32=True, loss_scale=128)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ampkit O1: model dtype unchanged, autocast to float16, no master weights, static loss scale 128.0"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        model, opt = make(device)
+        ampkit.initialize(model, opt, opt_level="O5", keep_batchnorm_fp32=True, loss_scale=128, verbosity=2)
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert text.count("Selected optimization level O1") == 1
+    assert text.count("Selected optimization level O5") == 1
     assert "Overrides applied: keep_batchnorm_fp32=True, loss_scale=128.0" in text
-    assert "keep_batchnorm_fp32=True has no effect at O1" in text
     assert "loss_scale              : 128.0" in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ampkit"):
         model, opt = make(device)
         ampkit.initialize(model, opt, opt_level="O1", verbosity=0)
     assert caplog.records == []
+
+
+def test_library_leaves_logging_configuration_to_the_application():
+    import ampkit.logs
+
+    logger = logging.getLogger("ampkit")
+    model, opt = make("cpu")
+    ampkit.initialize(model, opt, opt_level="O5")
+    assert logger.level == logging.NOTSET
+    assert [type(h).__name__ for h in logger.handlers] == ["_LastResortIfUnconfigured"]
+    assert isinstance(logger.handlers[0], logging.NullHandler)
+    assert ampkit.logs.is_main_process()
+
+
+def test_unconfigured_warnings_reach_stderr_and_configured_ones_do_not_double():
+    """A script that configured nothing: INFO is dropped, warnings go to stderr once; with
+    basicConfig, the application's handler alone prints, at the application's level."""
+    script = (
+        "import logging, sys, torch, ampkit\n"
+        "log = logging.getLogger('ampkit')\n"
+        "if sys.argv[1] == 'basic':\n"
+        "    logging.basicConfig(level=logging.WARNING, format='APP %(message)s')\n"
+        "elif sys.argv[1] == 'console':\n"
+        "    ampkit.enable_console_logging()\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "ampkit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O5')\n"
+        "log.warning('WARN-LINE')\n"
+    )
+    import subprocess
+    import sys
+
+    def run(mode):
+        proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    plain = run("none")
+    assert plain.count("WARN-LINE") == 1 and "ampkit O5" not in plain
+    basic = run("basic")
+    assert basic.count("WARN-LINE") == 1 and "APP WARN-LINE" in basic and "ampkit O5" not in basic
+    console = run("console")
+    assert console.count("WARN-LINE") == 1 and console.count("ampkit O5: model bfloat16") == 1
 
 
 def test_fp16_on_cpu_is_honoured_and_reported():

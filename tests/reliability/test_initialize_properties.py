@@ -142,6 +142,7 @@ def _train_one_step(model, opt):
     assert all_finite(model, opt)
 
 
+@pytest.mark.filterwarnings("ignore::ampkit.errors.NoEffectWarning")  # notes are checked in test_frontend
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(combo=combos())
 def test_every_override_valid_or_refused_cleanly(combo):
