@@ -81,6 +81,10 @@ class OptimizerState:
             group["params"], new = self._with_masters(group["params"])
             self._register_all(new)
         opt._ampkit = self
+        if self.masters:
+            # torch.amp.GradScaler.step then hands its scale to step() (see _step), instead of
+            # failing on "No inf checks were recorded" against the masters' empty gradients.
+            opt._step_supports_amp_scaling = True
         opt.step = _wrapped_step(opt, self._step)
         opt.zero_grad = types.MethodType(_zero_grad, opt)
         opt.add_param_group = types.MethodType(_add_param_group, opt)
@@ -288,6 +292,14 @@ def _step(optimizer, closure=None):
         raise RuntimeError(
             "optimizer.step(closure): closures are not supported by ampkit; compute the loss, "
             "run it through ampkit.scale_loss, then call optimizer.step()."
+        )
+    if getattr(optimizer, "grad_scale", None) is not None:
+        raise RuntimeError(
+            "torch.amp.GradScaler.step(optimizer): this optimizer steps on ampkit's fp32 master weights, "
+            "which GradScaler cannot unscale. Drop the GradScaler and use `with ampkit.scale_loss(loss, "
+            "optimizer) as scaled_loss: scaled_loss.backward()` then optimizer.step(); to keep a GradScaler "
+            "checkpoint's scale, ampkit.load_state_dict({'loss_scaler0': {'loss_scale': scaler.get_scale(), "
+            "'unskipped': 0}})."
         )
     state.session.finish_backward(state)
     if state.skip is not None:
