@@ -1,7 +1,11 @@
 """BatchNorm under mixed precision: float32 BatchNorm taking half input, and half BatchNorm."""
+import warnings
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..errors import NoEffectWarning
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Device types whose batch_norm kernels take half input with float32 weights and running
@@ -65,11 +69,12 @@ def enable_mixed_input_batchnorm(module: nn.Module) -> int:
     return count
 
 
-def convert_batchnorm(model: nn.Module, dtype: torch.dtype) -> int:
+def convert_batchnorm(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast every BatchNorm's floating parameters and buffers to ``dtype``, in place.
 
     Parameter objects are kept (optimizers stay valid); ``num_batches_tracked`` stays an
-    integer. Returns the number of BatchNorm layers.
+    integer. Returns ``model`` (as ``convert_syncbn_model`` does); a model without
+    BatchNorm is returned unchanged with a :class:`~ampkit.NoEffectWarning`.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"convert_batchnorm(dtype={dtype!r}): expected a floating torch.dtype.")
@@ -85,4 +90,6 @@ def convert_batchnorm(model: nn.Module, dtype: torch.dtype) -> int:
             if b.dtype.is_floating_point:
                 setattr(m, name, b.to(dtype))
         count += 1
-    return count
+    if count == 0:
+        warnings.warn("convert_batchnorm: the model has no BatchNorm layer; nothing converted.", NoEffectWarning, stacklevel=2)
+    return model

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from ampkit import NoEffectWarning
 from ampkit.normalization import batchnorm, convert_batchnorm, enable_mixed_input_batchnorm
 from ampkit.normalization.batchnorm import CastInputToFloat, CastOutputBack
 
@@ -131,7 +132,7 @@ def test_convert_batchnorm(dtype, device):
     model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.SyncBatchNorm(3, affine=False),
                           nn.BatchNorm1d(3, track_running_stats=False)).to(device)
     params = list(model.parameters())
-    assert convert_batchnorm(model, dtype) == 3
+    assert convert_batchnorm(model, dtype) is model
     assert list(model.parameters()) == params  # same Parameter objects
     assert model[0].weight.dtype == torch.float32
     for m in model[1:]:
@@ -141,6 +142,13 @@ def test_convert_batchnorm(dtype, device):
     x = torch.randn(2, 3, 4, 4, device=device, dtype=dtype)
     before = stats(bn)
     assert bn(x).dtype == dtype and all(torch.equal(v, before[k]) for k, v in bn.named_buffers())
+
+
+def test_convert_batchnorm_without_batchnorm_warns_and_returns_the_model():
+    model = nn.Linear(2, 2)
+    with pytest.warns(NoEffectWarning, match="no BatchNorm"):
+        assert convert_batchnorm(model, torch.bfloat16) is model
+    assert model.weight.dtype == torch.float32
 
 
 def test_convert_batchnorm_rejects_non_float_dtype():
