@@ -33,6 +33,10 @@ def autocast(enabled: bool = True):
 
     At levels without op-level casting this is a no-op, so code written for O1 runs
     unchanged at O2. Raises RuntimeError before ``ampkit.initialize``.
+
+    Args:
+        enabled: ``False`` makes the block a no-op (for a flag that switches mixed
+            precision off without restructuring the code).
     """
     from .frontend import current_session
 

@@ -226,8 +226,43 @@ def initialize(
     """Prepare models and optimizers for mixed precision at ``opt_level`` (see ``ampkit levels``).
 
     Returns the same structure it was given: a model or a list of models, and (when
-    optimizers were passed) an optimizer or a list of them. Every argument is checked
-    before anything is modified, so a bad value leaves models and optimizers untouched.
+    optimizers were passed) an optimizer or a list of them. The objects keep their identity
+    and class. Every argument is checked before anything is modified, so a bad value raises
+    a ``TypeError``/``ValueError`` naming the argument and leaves models and optimizers
+    untouched. Options left at ``None`` take the level's default from the property table.
+
+    Args:
+        models: an ``nn.Module`` or a list of them, on one device type, not yet wrapped in
+            DistributedDataParallel (pass ``ddp=True`` to wrap after preparing).
+        optimizers: a ``torch.optim.Optimizer`` or a list of them, holding only parameters
+            of ``models``; ``None`` for inference-only models.
+        enabled: ``False`` turns ampkit off: models and optimizers are returned unchanged and
+            ``scale_loss`` yields the loss as it is.
+        opt_level: ``"O0"``..``"O5"``: fp32; autocast fp16 (O1); fp16 model + fp32 masters
+            (O2); pure fp16 (O3); autocast bf16 (O4); bf16 model + fp32 masters (O5).
+        cast_model_type: dtype the model's floating parameters and buffers are cast to
+            (``torch.float16``/``bfloat16``/``float32``/``float64``), or ``False`` for no cast.
+        patch_torch_functions: ``True`` runs the model's forward under ``torch.autocast``
+            in ``half_dtype`` (Apex O1's op-level casting).
+        keep_batchnorm_fp32: keep BatchNorm parameters and statistics in fp32 when the model
+            is cast to half (also the strings ``"True"``/``"False"``, as Apex scripts pass).
+        master_weights: keep fp32 master copies of half parameters; the optimizer steps on
+            them and copies the result back into the model.
+        loss_scale: ``"dynamic"``, or a positive number (static scale; numeric strings too).
+        cast_model_outputs: dtype the model's floating outputs are cast to; by default
+            float32 whenever the model or its ops run in half.
+        num_losses: number of losses with their own loss scaler (``scale_loss(loss_id=...)``).
+        verbosity: 0 silent; 1 one line on the chosen level (rank 0 only); 2 the full
+            property table. Messages go to the ``"ampkit"`` logger.
+        min_loss_scale: lower bound for the dynamic loss scale (default: none).
+        max_loss_scale: upper bound for the dynamic loss scale (default 2**24).
+        half_dtype: the half dtype of the level (``torch.float16`` or ``torch.bfloat16``).
+        low_precision_layernorm: at autocast levels, run LayerNorm in the half dtype too
+            (``ampkit.normalization.LPLayerNorm``).
+        loss_scale_hysteresis: consecutive overflows needed before the dynamic scale drops.
+        ddp: wrap each prepared model in ``ampkit.parallel.DistributedDataParallel``
+            (the default process group must be initialized).
+        ddp_kwargs: keyword arguments for that wrapper.
     """
     global _current
     if not isinstance(enabled, bool):
@@ -399,10 +434,18 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     """Yield ``loss.float() * scale``; on exit unscale the optimizers' gradients and check them.
 
     An overflow (inf/NaN in any gradient) makes the next ``step()`` of each given
-    optimizer a no-op and, for a dynamic scaler, halves the scale. With
-    ``delay_unscale=True`` gradients stay scaled (accumulation: the last backward of the
-    window unscales them all). With ``delay_overflow_check=True`` the host sync that
-    decides the skip is postponed to ``optimizer.step()``.
+    optimizer a no-op and, for a dynamic scaler, lowers the scale.
+
+    Args:
+        loss: a one-element tensor.
+        optimizers: the optimizer (or list of optimizers) returned by ``initialize`` whose
+            parameters this loss's backward reaches.
+        loss_id: which loss scaler to use, in ``[0, num_losses)``.
+        model: accepted for Apex compatibility; unused.
+        delay_unscale: keep gradients scaled on exit (gradient accumulation across several
+            ``scale_loss`` blocks; the last block of the window unscales them all).
+        delay_overflow_check: postpone the host sync that decides the skip to
+            ``optimizer.step()``.
     """
     opts, _ = _as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer,), "an optimizer or a list of optimizers")
     session = _session_of(opts)
@@ -458,13 +501,22 @@ def _session_of(opts) -> Session:
 
 
 def master_params(optimizer):
-    """Yield the parameters ``optimizer`` steps on: fp32 masters where they exist."""
+    """Yield the parameters ``optimizer`` steps on: fp32 masters where they exist.
+
+    Args:
+        optimizer: an optimizer returned by ``initialize`` (for gradient clipping:
+            ``clip_grad_norm_(ampkit.master_params(optimizer), max_norm)`` after ``scale_loss``).
+    """
     for group in optimizer.param_groups:
         yield from group["params"]
 
 
 def state_dict(destination=None) -> dict:
-    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``."""
+    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``.
+
+    Args:
+        destination: a dict to fill (and return) instead of a new one.
+    """
     session = current_session("ampkit.state_dict()")
     out = {} if destination is None else destination
     for i, s in enumerate(session.scalers):
@@ -473,7 +525,12 @@ def state_dict(destination=None) -> dict:
 
 
 def load_state_dict(state: dict) -> None:
-    """Restore loss scalers from :func:`state_dict` output (or Apex's ``amp.state_dict()``)."""
+    """Restore loss scalers from :func:`state_dict` output (or Apex's ``amp.state_dict()``).
+
+    Args:
+        state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` with one
+            entry per loss of the current ``initialize``; checked whole before anything loads.
+    """
     session = current_session("ampkit.load_state_dict()")
     if not isinstance(state, dict):
         raise TypeError(f"ampkit.load_state_dict(state): expected a dict, got {type(state).__name__}.")

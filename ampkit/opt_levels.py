@@ -17,7 +17,18 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclasses.dataclass
 class Properties:
-    """What one opt level (after overrides) asks ``initialize`` to do."""
+    """What one opt level (after overrides) asks ``initialize`` to do.
+
+    Attributes:
+        opt_level: the level's name (``"O0"``...).
+        cast_model_type: dtype the model is cast to, or ``None`` for no cast.
+        patch_torch_functions: run the forward under ``torch.autocast`` in ``half_dtype``.
+        keep_batchnorm_fp32: keep BatchNorm in fp32 when the model is cast to half.
+        master_weights: the optimizer steps on fp32 master copies of half parameters.
+        loss_scale: ``"dynamic"`` or a static positive scale.
+        half_dtype: the level's half dtype (float16 or bfloat16), ``None`` at O0.
+        low_precision_layernorm: LayerNorm runs in the half dtype under autocast.
+    """
 
     opt_level: str
     cast_model_type: Optional[Any]  # torch dtype, HALF_DTYPE (table only) or None

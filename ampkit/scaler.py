@@ -25,6 +25,15 @@ class LossScaler:
 
     Every overflowing step is skipped, static or dynamic; only a dynamic scaler moves the
     scale. The scale is always kept within ``[min_loss_scale, max_loss_scale]``.
+
+    Args:
+        loss_scale: ``"dynamic"`` or a static positive scale.
+        init_scale: the first scale of a dynamic scaler.
+        growth_factor, backoff_factor, growth_interval: a dynamic scale is multiplied by
+            ``growth_factor`` after ``growth_interval`` clean steps in a row, and by
+            ``backoff_factor`` on overflow.
+        min_loss_scale, max_loss_scale: bounds of the dynamic scale.
+        hysteresis: consecutive overflows needed before the scale backs off.
     """
 
     def __init__(

@@ -66,7 +66,11 @@ class FusedLayerNorm(_FusedNorm):
 
 
 class FusedRMSNorm(_FusedNorm):
-    """``apex.normalization.FusedRMSNorm``: ``x * rsqrt(mean(x**2) + eps) * weight``; no bias."""
+    """``apex.normalization.FusedRMSNorm``: ``x * rsqrt(mean(x**2) + eps) * weight``; no bias.
+
+    Args: ``normalized_shape`` (trailing shape normalized over), ``eps``,
+    ``elementwise_affine`` (learn ``weight``), ``memory_efficient`` (accepted, as in Apex).
+    """
 
     param_names = ("weight",)
 
@@ -85,7 +89,10 @@ def _mixed_kwargs(cls_name: str, kwargs: dict) -> None:
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):
-    """Always-affine :class:`FusedLayerNorm` that computes in float32 and returns the input dtype."""
+    """Always-affine :class:`FusedLayerNorm` that computes in float32 and returns the input dtype.
+
+    Args: ``normalized_shape``, ``eps``, ``memory_efficient`` as :class:`FusedLayerNorm`.
+    """
 
     mixed = True
 
@@ -95,7 +102,10 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
-    """Always-affine :class:`FusedRMSNorm` that computes in float32 and returns the input dtype."""
+    """Always-affine :class:`FusedRMSNorm` that computes in float32 and returns the input dtype.
+
+    Args: ``normalized_shape``, ``eps``, ``memory_efficient`` as :class:`FusedRMSNorm`.
+    """
 
     mixed = True
 

@@ -27,6 +27,8 @@ class LPLayerNorm(nn.LayerNorm):
 
     Input, weight and bias are cast to the autocast dtype of the input's device type
     and ``layer_norm`` runs with autocast off; outside autocast this is ``nn.LayerNorm``.
+    Constructor arguments (``normalized_shape``, ``eps``, ``elementwise_affine``, ...) are
+    ``nn.LayerNorm``'s.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,22 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     into the bucket buffers. ``disable_allreduce()`` / ``enable_allreduce()`` switch
     reduction off and on for gradient accumulation, from the next forward on (torch's
     ``no_sync``).
+
+    Args:
+        module: the model (already through ``ampkit.initialize``, if used).
+        message_size: bucket size in elements.
+        delay_allreduce: reduce all gradients at the end of backward instead of overlapping.
+        allreduce_trigger_params: accepted for Apex compatibility; torch DDP decides when
+            buckets are ready (reported with a NoEffectWarning).
+        retain_allreduce_buffers: gradients become views into the bucket buffers.
+        allreduce_always_fp32: reduce half buckets in float32.
+        num_allreduce_streams, allreduce_communicators: several reduction streams (CUDA;
+            ``allreduce_communicators=(process_groups, streams)``).
+        gradient_average: divide the summed gradients by the world size.
+        gradient_predivide_factor: divide by this before the sum, multiply after.
+        gradient_average_split_factor, prof: accepted for Apex compatibility, no effect
+            (NoEffectWarning).
+        shared_param: removed in Apex; refused with the replacement to use.
     """
 
     def __init__(

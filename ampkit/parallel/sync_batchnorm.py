@@ -89,6 +89,11 @@ class SyncBatchNorm(_BatchNorm):
     ``channel_last=True`` computes and returns 4-D/5-D activations in channels-last memory
     format (``torch.channels_last``); either way the channel dimension is dim 1, and any
     memory format is accepted.
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
+        process_group: the ranks whose statistics are combined (default: all).
+        channel_last: compute and return channels-last activations.
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, process_group=None, channel_last=False):
@@ -137,6 +142,11 @@ def convert_syncbn_model(module: torch.nn.Module, process_group=None, channel_la
     The new layers reuse the old ones' Parameter objects (optimizers stay valid), running
     statistics and ``num_batches_tracked``, and their train/eval mode. Returns the module
     (a new object if ``module`` itself is a BatchNorm).
+
+    Args:
+        module: the model.
+        process_group: passed to every new :class:`SyncBatchNorm`.
+        channel_last: passed to every new :class:`SyncBatchNorm`.
     """
     out = module
     if isinstance(module, _BatchNorm):
