@@ -321,6 +321,16 @@ def test_verbosity_one_line_two_full_zero_silent(device, caplog):
     assert caplog.records == []
 
 
+def test_banner_only_on_rank_zero(monkeypatch, caplog):
+    import ampkit.frontend
+
+    monkeypatch.setattr(ampkit.frontend, "is_main_process", lambda: False)
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        model, opt = make("cpu")
+        ampkit.initialize(model, opt, opt_level="O5", verbosity=2)
+    assert caplog.records == []
+
+
 def test_library_leaves_logging_configuration_to_the_application():
     import ampkit.logs
 
