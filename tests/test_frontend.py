@@ -303,7 +303,7 @@ def test_verbosity_one_line_two_full_zero_silent(device, caplog):
         model, opt = make(device)
         with pytest.warns(ampkit.NoEffectWarning, match="keep_batchnorm_fp32=True has no effect at O1"):
             ampkit.initialize(model, opt, opt_level="O1", keep_batchnorm_fp32=True, loss_scale=128)
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if not r.getMessage().startswith("float16 on cpu")] == [
         "ampkit O1: model dtype unchanged, autocast to float16, no master weights, static loss scale 128.0"
     ]
     caplog.clear()
