@@ -229,7 +229,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         optimizer.load_state_dict(payload["optimizer"])
         for i, s in enumerate(scalers):
             s.load_state_dict(payload["amp"][f"loss_scaler{i}"])
-    except Exception as e:
+    except BaseException as e:  # KeyboardInterrupt too: roll back, then let it propagate
         try:
             model.load_state_dict(undo_model)
             optimizer.load_state_dict(undo_opt)
@@ -241,5 +241,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                 f"previous state ({type(again).__name__}: {again}); the model and optimizer are inconsistent: "
                 f"load a checkpoint again before training."
             ) from e
+        if not isinstance(e, Exception):
+            raise
         raise CheckpointError(f"{where}: applying the checkpoint failed, nothing was changed: {type(e).__name__}: {e}") from e
     return payload["extra"]

@@ -86,6 +86,15 @@ class OverflowCheck:
         self.states = states
         self.found_inf = {}
         self.done = False
+        self.consumed = False  # an optimizer stepped after this check
+        self.before = self.after = None  # the scaler's state around its update
+
+    def rollback(self) -> None:
+        """The batch was dropped (``zero_grad`` with no ``step``): undo the scaler update,
+        unless a later check has moved the scaler since."""
+        if not self.consumed and self.after is not None and self.scaler.snapshot() == self.after:
+            self.scaler.restore(self.before)
+        self.consumed = True
 
     def resolve(self) -> bool:
         if self.done:
@@ -99,7 +108,11 @@ class OverflowCheck:
         overflow = bool(found.item())
         pinned = self.scaler is not None and self.scaler.at_floor
         if self.scaler is not None:
+            self.before = self.scaler.snapshot()
             self.scaler.update(overflow)
+            self.after = self.scaler.snapshot()
+        for st in self.states:
+            st.unstepped.append(self)
         if overflow:
             for st in self.states:
                 st.skip = self.loss_id
@@ -400,8 +413,14 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
         raise ValueError(f"scale_loss(loss_id={loss_id!r}): expected an integer in [0, {n - 1}] (initialize got num_losses={n}).")
     scaler = session.scalers[loss_id]
-    states = [o._ampkit for o in opts]
+    states = list({id(o): o._ampkit for o in opts}.values())  # an optimizer listed twice counts once
     for st in states:
+        if st.in_scale_loss:
+            raise RuntimeError(
+                f"scale_loss: {type(st.optimizer).__name__} is already inside an enclosing "
+                f"`with ampkit.scale_loss(...)` block; nested blocks on one optimizer would unscale its "
+                f"gradients twice. Finish the outer block first, or use delay_unscale=True to accumulate."
+            )
         if st.scaled_by is not None and st.scaled_by is not scaler:
             raise RuntimeError(
                 f"scale_loss(loss_id={loss_id}): the optimizer still holds gradients scaled by another loss's "
@@ -409,13 +428,20 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             )
         st.before_backward()
     scale = scaler.loss_scale()
-    yield loss.float() * scale if scale != 1.0 else loss.float()
-    if delay_unscale:
-        window = list({id(w): w for st in states for w in st.window + [st]}.values())
-        for st in window:
-            st.window = window
+    for st in states:
+        st.in_scale_loss = True
+    try:
+        yield loss.float() * scale if scale != 1.0 else loss.float()
+    except BaseException:
+        # A batch dropped inside the block: whatever backward wrote still carries the
+        # scale. Record it, so zero_grad() discards it and a later backward unscales it.
+        _leave_scaled(states, scaler)
+        raise
+    finally:
         for st in states:
-            st.scaled_by = scaler
+            st.in_scale_loss = False
+    if delay_unscale:
+        _leave_scaled(states, scaler)
         return
     check = OverflowCheck(session, scaler, states)
     for st in states:
@@ -424,6 +450,15 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         st.window = [st]
     if not delay_overflow_check:
         check.resolve()
+
+
+def _leave_scaled(states, scaler) -> None:
+    """The states' gradients stay scaled by ``scaler`` (an open accumulation window)."""
+    window = list({id(w): w for st in states for w in st.window + [st]}.values())
+    for st in window:
+        st.window = window
+    for st in states:
+        st.scaled_by = scaler
 
 
 def _session_of(opts) -> Session:

@@ -69,6 +69,8 @@ class OptimizerState:
         self._spent: List[torch.Tensor] = []  # half grads already moved to the masters
         self.pending: List = []
         self.skip: Optional[int] = None
+        self.unstepped: List = []  # resolved overflow checks no step() has consumed yet
+        self.in_scale_loss = False  # inside a `with ampkit.scale_loss(...)` block
         self._step = optimizer.step
         self._zero_grad = optimizer.zero_grad
         self._add_param_group = optimizer.add_param_group
@@ -245,7 +247,18 @@ class OptimizerState:
         self._move_half_grads(1.0, found_inf)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
-        """Clear model and master gradients alike, and forget set-aside or scaled ones."""
+        """Clear model and master gradients alike, and forget set-aside or scaled ones.
+
+        Called without a ``step()`` since the last backward (a dropped batch), it also
+        forgets that batch's overflow checks: no pending skip, and the scaler moves back
+        to where it was, as if the batch had never been seen.
+        """
+        for check in reversed(self.unstepped):
+            check.rollback()
+        self.unstepped = []
+        self.pending = []
+        self.skip = None
+        self.window = [self]
         self._zero_grad(set_to_none=set_to_none)
         for p in self.masters:
             if p.grad is not None:
@@ -290,6 +303,9 @@ def _step(optimizer, closure=None):
             "run it through ampkit.scale_loss, then call optimizer.step()."
         )
     state.session.finish_backward(state)
+    for check in state.unstepped:
+        check.consumed = True
+    state.unstepped = []
     if state.skip is not None:
         state.skip = None
         state.clear_grads()

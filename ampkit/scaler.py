@@ -76,6 +76,13 @@ class LossScaler:
             self.unskipped = 0
         return False
 
+    def snapshot(self) -> tuple:
+        """Everything :meth:`update` changes, for :meth:`restore`."""
+        return (self.scale, self.unskipped, self.consecutive_overflows, self.skipped_steps)
+
+    def restore(self, snapshot: tuple) -> None:
+        self.scale, self.unskipped, self.consecutive_overflows, self.skipped_steps = snapshot
+
     @property
     def at_floor(self) -> bool:
         """True when a dynamic scale can back off no further."""

@@ -163,6 +163,12 @@ def skipped_once(e):
     assert e.opt._ampkit.session.scalers[0].skipped_steps == 1
 
 
+def nested_scale_loss(e):
+    with ampkit.scale_loss(mse(e), e.opt):
+        with ampkit.scale_loss(mse(e), e.opt):
+            pass
+
+
 def amp_load(state):
     return lambda e: ampkit.load_state_dict(state)
 
@@ -305,6 +311,9 @@ TABLE = [
         "the optimizers come from different ampkit.initialize calls", where="scale_loss"),
     Row("loss_id", "1 while loss 0's delay_unscale window is open", open_window,
         lambda e: ampkit.scale_loss(mse(e), e.opt, loss_id=1).__enter__(), RuntimeError, "still holds gradients scaled by another loss's scaler", where="scale_loss"),
+    Row("optimizers", "the optimizer of an enclosing scale_loss block (nested)", lambda: init("O2"),
+        nested_scale_loss, RuntimeError, "is already inside an enclosing `with ampkit.scale_loss(...)` block",
+        where="scale_loss"),
     # optimizer
     Row("optimizer.step()", "before any backward, O2", lambda: init("O2", "adamw"), lambda e: e.opt.step(), None,
         "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),

@@ -179,6 +179,28 @@ def test_failure_while_applying_rolls_everything_back(saved, target, monkeypatch
     assert_unchanged(before, _full(model, opt), "rolled-back load")
 
 
+@pytest.mark.parametrize("at", ["optimizer", "scaler"])
+def test_keyboard_interrupt_while_applying_rolls_everything_back(saved, target, monkeypatch, at):
+    """Ctrl-C after the model (and the optimizer) were loaded: all restored, and the
+    KeyboardInterrupt itself reaches the caller."""
+    path, _ = saved
+    model, opt, before = target
+    cls, name = (type(opt), "load_state_dict") if at == "optimizer" else (ampkit.LossScaler, "load_state_dict")
+    real, calls = getattr(cls, name), []
+
+    def interrupted(self, state_dict):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, state_dict)
+
+    monkeypatch.setattr(cls, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.load(path, model, opt)
+    monkeypatch.undo()
+    assert_unchanged(before, _full(model, opt), "interrupted load")
+
+
 def test_a_failed_save_keeps_the_previous_file(saved, monkeypatch):
     path, _ = saved
     model, opt = _trained(steps=2, seed=9)
