@@ -6,6 +6,7 @@ Unlike a closure assigned to ``model.forward`` this survives ``copy.deepcopy``,
 pickling, ``torch.compile`` and DataParallel replication, and ``isinstance`` checks
 against the original class still hold. ``model._ampkit`` is a :class:`ModelState`.
 """
+import itertools
 from collections.abc import Mapping
 from typing import Dict, Optional
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .casting import cast_tree
+from .copies import make_standalone, sync, sync_one
 from .opt_levels import HALF_DTYPES
 
 
@@ -34,6 +36,7 @@ class ModelState:
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
+        self.synced = None  # on copies only: see copies.py
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -80,22 +83,20 @@ class _Float32StateDict:
 
     def __call__(self, module, state_dict, prefix, local_metadata):
         masters = self.state.masters
+        copied = self.state.synced is not None
         for mod, pre in _own_tree(module, prefix):
-            for name, p in mod._parameters.items():
-                key = pre + name
-                if p is None or key not in state_dict or state_dict[key] is p:
-                    continue
-                master = masters.get(p)
-                if master is not None:
-                    state_dict[key] = master.detach()
-                elif state_dict[key].dtype in HALF_DTYPES:
-                    state_dict[key] = state_dict[key].float()
-            for name, b in mod._buffers.items():
-                key = pre + name
-                if b is None or key not in state_dict or state_dict[key] is b:
-                    continue
-                if state_dict[key].dtype in HALF_DTYPES:
-                    state_dict[key] = state_dict[key].float()
+            for tensors in (mod._parameters, mod._buffers):
+                for name, t in tensors.items():
+                    key = pre + name
+                    if t is None or key not in state_dict or state_dict[key] is t:
+                        continue
+                    master = masters.get(t)
+                    if master is not None:
+                        if copied:
+                            sync_one(self.state, t, master)
+                        state_dict[key] = master.detach()
+                    elif state_dict[key].dtype in HALF_DTYPES:
+                        state_dict[key] = state_dict[key].float()
 
 
 class _MasterLoadSync:
@@ -116,7 +117,7 @@ class _MasterLoadSync:
         if not masters:
             return
         for mod, pre in _own_tree(module, prefix):
-            for name, p in mod._parameters.items():
+            for name, p in itertools.chain(mod._parameters.items(), mod._buffers.items()):  # buffers: copies
                 master = masters.get(p) if p is not None else None
                 value = state_dict.get(pre + name)
                 if master is None or not torch.is_tensor(value):
@@ -138,6 +139,8 @@ class AmpModule:
 
     def forward(self, *args, **kwargs):
         st: ModelState = self._ampkit
+        if st.synced is not None:
+            sync(st)
         if st.input_dtype is not None:
             args = cast_tree(args, st.input_dtype)
             kwargs = cast_tree(kwargs, st.input_dtype)
@@ -166,6 +169,12 @@ class AmpModule:
         if strict and isinstance(state_dict, Mapping):
             _check_loadable(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __setstate__(self, state):
+        """A copy (``copy.deepcopy``, unpickling) gets float32 weights of its own: copies.py."""
+        super().__setstate__(state)
+        if "_ampkit" in self.__dict__:
+            make_standalone(self)
 
     def __reduce_ex__(self, protocol):
         return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
