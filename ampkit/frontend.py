@@ -1,5 +1,6 @@
 """The user-facing calls: ``initialize``, ``scale_loss``, ``state_dict`` and friends."""
 import contextlib
+import inspect
 import itertools
 import logging
 from typing import List, Optional
@@ -202,6 +203,13 @@ def _check_optimizers(optimizers, models, session: Session, use_masters: bool) -
         if id(opt) in seen:
             raise ValueError("initialize(optimizers=...): the same optimizer appears twice in the list.")
         seen.add(id(opt))
+        if _needs_closure(opt):
+            raise ValueError(
+                f"initialize(optimizers=...): {type(opt).__name__}.step(closure) needs a closure (it "
+                f"re-evaluates the loss itself, several times per step); ampkit scales one loss per backward "
+                f"in `with ampkit.scale_loss(...)` and cannot run inside a closure. Use an optimizer whose "
+                f"step() takes no closure, or train this one without ampkit."
+            )
         params = [p for g in opt.param_groups for p in g["params"]]
         foreign = [i for i, p in enumerate(params) if id(p) not in owned]
         if foreign:
@@ -211,6 +219,15 @@ def _check_optimizers(optimizers, models, session: Session, use_masters: bool) -
                 f"whose parameters the optimizer trains."
             )
         session.check_devices(params, use_masters)
+
+
+def _needs_closure(opt) -> bool:
+    """Whether ``opt.step`` has a ``closure`` argument without a default (``LBFGS``)."""
+    try:
+        closure = inspect.signature(type(opt).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_int(name, value, low):

@@ -70,6 +70,7 @@ class OptimizerState:
         self.pending: List = []
         self.skip: Optional[int] = None
         self.unstepped: List = []  # resolved overflow checks no step() has consumed yet
+        self.keep_grads = False  # zero_grad(set_to_none=False) was used: master grads persist
         self.in_scale_loss = False  # inside a `with ampkit.scale_loss(...)` block
         self._step = optimizer.step
         self._zero_grad = optimizer.zero_grad
@@ -181,13 +182,15 @@ class OptimizerState:
     def unscale(self, inv_scale: float, found_inf: dict) -> None:
         """Turn the scaled gradients of the last backward into clean ones."""
         self.scaled_by = None
-        plain = [p.grad for p in self.step_params() if p.grad is not None and p not in self.owner]
+        plain = [_coalesced(p) for p in self.step_params() if p.grad is not None and p not in self.owner]
         self._move_half_grads(inv_scale, found_inf)
         unscale_and_check_(plain, inv_scale, found_inf)
         restored, add_to, add_from = [], [], []
         for p, g in self.stash.items():
             if p.grad is None:
                 restored.append((p, g))
+            elif p.grad.is_sparse or g.is_sparse:
+                restored.append((p, p.grad + g))
             else:
                 add_to.append(p.grad)
                 add_from.append(g)
@@ -214,14 +217,21 @@ class OptimizerState:
         step, they would let the allocator trim the heap and the next backward would fault
         the pages back in.
         """
-        half, targets, numel = [], [], 0
+        half, targets, numel, sparse = [], [], 0, []
         for p, m in self.masters.items():
             if p.grad is not None:
-                half.append(p.grad)
-                targets.append(m)
-                numel += m.numel()
+                if p.grad.is_sparse:
+                    sparse.append((m, p.grad))
+                else:
+                    half.append(p.grad)
+                    targets.append(m)
+                    numel += m.numel()
                 p.grad = None
         self._spent = half
+        for m, g in sparse:  # widened before coalescing: duplicate rows could overflow the half sum
+            g = g.float().coalesce()
+            unscale_and_check_([g], inv_scale, found_inf)
+            m.grad = g if m.grad is None else m.grad + g
         reuse = 4 * numel >= REUSED_GRADS_BYTES
         out, add_to, add_from = [], [], []
         for m in targets:
@@ -266,6 +276,8 @@ class OptimizerState:
                     p.grad = None
                 else:
                     p.grad.detach_().zero_()
+        if not set_to_none:  # from now on master gradients persist, zero-filled, as plain ones do
+            self.keep_grads = True
         self.stash.clear()
         self.scaled_by = None
         self._spent = []
@@ -275,6 +287,15 @@ class OptimizerState:
         if self.masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+
+
+def _coalesced(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad``, coalesced first when it is a sparse half gradient (so the unscale check
+    sees the sums that the optimizer will apply, as torch.amp.GradScaler does)."""
+    grad = param.grad
+    if grad.is_sparse and grad.dtype in HALF_DTYPES and not grad.is_coalesced():
+        grad = param.grad = grad.coalesce()
+    return grad
 
 
 def _wrapped_step(optimizer, previous):
@@ -308,12 +329,13 @@ def _step(optimizer, closure=None):
     state.unstepped = []
     if state.skip is not None:
         state.skip = None
-        state.clear_grads()
+        state.clear_grads(set_to_none=not state.keep_grads)
         return None
     result = state._step()
     state.copy_masters_to_model()
-    for m in state.owner:
-        m.grad = None
+    if not state.keep_grads:
+        for m in state.owner:
+            m.grad = None
     return result
 
 

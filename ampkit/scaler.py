@@ -125,6 +125,13 @@ def _flag(found_inf: dict, device: torch.device) -> torch.Tensor:
     return flag
 
 
+def _checkable(grad: torch.Tensor) -> torch.Tensor:
+    """The dense real tensor that holds ``grad``'s numbers (sparse: its values, complex: a real view)."""
+    if grad.is_sparse:
+        grad = grad._values()
+    return torch.view_as_real(grad) if grad.is_complex() else grad
+
+
 def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
 
@@ -133,7 +140,7 @@ def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     (device, dtype) group; nothing synchronises with the host.
     """
     groups = {}
-    for g in grads:
+    for g in map(_checkable, grads):
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), group in groups.items():
         inv = torch.full((), inv_scale, dtype=torch.float32, device=device)

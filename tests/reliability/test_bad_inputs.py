@@ -65,6 +65,12 @@ def with_foreign_param():
     return Env(model, opt, x, y, others=[stranger])
 
 
+def lbfgs():
+    model, _ = make()
+    x, y = fixed_batch()
+    return Env(model, torch.optim.LBFGS(model.parameters()), x, y)
+
+
 def on_meta():
     with torch.device("meta"):
         model = Tiny()
@@ -288,6 +294,8 @@ TABLE = [
         TypeError, "initialize(optimizers=...): expected a torch.optim.Optimizer"),
     Row("optimizers", "holds parameters of no model passed", with_foreign_param, initialize(opt_level="O2"),
         ValueError, "holds 2 parameter(s) that belong to none of the models"),
+    Row("optimizers", "torch.optim.LBFGS (step needs a closure)", lbfgs, initialize(opt_level="O2"),
+        ValueError, "LBFGS.step(closure) needs a closure"),
     # scale_loss
     *[Row("loss_id", v, lambda: init("O2"), scaled_step(mse, loss_id=eval(v)), ValueError,
           f"scale_loss(loss_id={v}): expected an integer in [0, 0]", where="scale_loss")
@@ -378,6 +386,8 @@ def _still_usable(e: Env):
     params = {id(p) for p in model.parameters()}
     if any(id(p) not in params for g in e.opt.param_groups for p in g["params"]) and not hasattr(e.opt, "_ampkit"):
         e.opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the foreign-parameter optimizer
+    if isinstance(e.opt, torch.optim.LBFGS):
+        e.opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if not hasattr(model, "_ampkit"):
         model, e.opt = ampkit.initialize(model, e.opt, opt_level="O2", verbosity=0)
     elif getattr(e, "window_open", False):
