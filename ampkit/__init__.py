@@ -12,6 +12,7 @@ from .autocasting import (
 from . import checkpoint, normalization, parallel, surgery
 from .errors import NoEffectWarning
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
+from .health import loss_scalers, step_was_skipped
 from .opt_levels import OPT_LEVELS, Properties
 from .scaler import LossScaler
 
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
+    "loss_scalers", "step_was_skipped",
     "autocast", "disable_casts", "half_function", "float_function", "promote_function",
     "register_half_function", "register_float_function", "register_promote_function",
     "NoEffectWarning", "OPT_LEVELS", "Properties", "LossScaler",

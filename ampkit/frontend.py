@@ -2,13 +2,15 @@
 import contextlib
 import inspect
 import itertools
+import gc
 import logging
+import weakref
 from typing import List, Optional
 
 import torch
 from torch import nn
 
-from . import opt_levels
+from . import health, opt_levels
 from .casting import cast_module_
 from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
@@ -17,6 +19,7 @@ from .scaler import LossScaler
 logger = logging.getLogger("ampkit")
 
 _current = None  # the Session of the latest initialize()
+_runs = weakref.WeakKeyDictionary()  # initialized model -> its Session (alive as long as the model)
 _reported = set()  # one-time notes already logged in this process
 
 
@@ -112,6 +115,7 @@ class OverflowCheck:
             self.before = self.scaler.snapshot()
             self.scaler.update(overflow)
             self.after = self.scaler.snapshot()
+            health.after_update(self.session, self.loss_id, self.scaler)
         for st in self.states:
             st.unstepped.append(self)
         if overflow:
@@ -316,6 +320,7 @@ def initialize(
     device_type = _device_type(model_list[0])
     session = Session(True, props, verbosity=verbosity, device_type=device_type)
     _check_optimizers(opt_list, model_list, session, use_masters)
+    health.check_finite_weights(model_list)
 
     # Everything is valid: from here on, modify. Masters start from the fp32 values, not
     # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).
@@ -331,6 +336,9 @@ def initialize(
         OptimizerState(opt, session, use_masters, model_states, originals).attach()
     originals.clear()
     _current = session
+    session.trains = bool(opt_list)
+    for m in model_list:
+        _runs[m] = session
     _report(session, defaults, applied, notes, opt_list, use_masters)
     if ddp:
         model_list = [_wrap_ddp(m, props, ddp_kwargs or {}) for m in model_list]
@@ -499,18 +507,55 @@ def master_params(optimizer):
         yield from group["params"]
 
 
-def state_dict(destination=None) -> dict:
-    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``."""
-    session = current_session("ampkit.state_dict()")
+def training_session(caller: str, optimizer=None, model=None) -> Session:
+    """The run ``optimizer`` or ``model`` belongs to; without either, the one training run
+    (``initialize`` with optimizers) alive in this process. An ``initialize`` without
+    optimizers (a teacher, an EMA model) never becomes the default."""
+    if optimizer is not None:
+        state = getattr(optimizer, "_ampkit", None)
+        if state is None:
+            raise ValueError(f"{caller}: optimizer={type(optimizer).__name__} did not go through ampkit.initialize.")
+        return state.session
+    if model is not None:
+        session = _runs.get(getattr(model, "module", model)) or _runs.get(model)
+        if session is None:
+            raise ValueError(f"{caller}: model={type(model).__name__} did not go through ampkit.initialize.")
+        return session
+    runs = _training_runs()
+    if len(runs) > 1:
+        gc.collect()  # runs that are only garbage still waiting for the cycle collector
+        runs = _training_runs()
+    if len(runs) > 1:
+        raise RuntimeError(
+            f"{caller}: {len(runs)} training runs (initialize calls with optimizers) are alive in this "
+            f"process, so which loss scalers are meant is ambiguous; pass optimizer=... (or model=...) "
+            f"of the run you mean."
+        )
+    if runs:
+        return runs[0]
+    return current_session(caller)
+
+
+def _training_runs() -> list:
+    return list({id(s): s for s in list(_runs.values()) if s.enabled and getattr(s, "trains", False)}.values())
+
+
+def state_dict(destination=None, optimizer=None, model=None) -> dict:
+    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``.
+
+    The scalers of the run ``optimizer`` (or ``model``) belongs to; see :func:`training_session`.
+    """
+    session = training_session("ampkit.state_dict()", optimizer, model)
     out = {} if destination is None else destination
     for i, s in enumerate(session.scalers):
         out[f"loss_scaler{i}"] = s.state_dict()
     return out
 
 
-def load_state_dict(state: dict) -> None:
-    """Restore loss scalers from :func:`state_dict` output (or Apex's ``amp.state_dict()``)."""
-    session = current_session("ampkit.load_state_dict()")
+def load_state_dict(state: dict, optimizer=None, model=None) -> None:
+    """Restore loss scalers from :func:`state_dict` output (or Apex's ``amp.state_dict()``);
+    ``optimizer``/``model`` choose the run as in :func:`state_dict`."""
+    session = training_session("ampkit.load_state_dict()", optimizer, model)
     if not isinstance(state, dict):
         raise TypeError(f"ampkit.load_state_dict(state): expected a dict, got {type(state).__name__}.")
     bad = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler") and k[11:].isdigit())]

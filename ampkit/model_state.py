@@ -22,6 +22,8 @@ from .opt_levels import HALF_DTYPES
 class ModelState:
     """How an initialized model casts, and which of its parameters have fp32 masters."""
 
+    dtype_error: Optional[str] = None  # set when the model was cast after initialize (AmpModule._apply)
+
     def __init__(
         self,
         model: nn.Module,
@@ -139,6 +141,8 @@ class AmpModule:
 
     def forward(self, *args, **kwargs):
         st: ModelState = self._ampkit
+        if st.dtype_error is not None:
+            raise RuntimeError(st.dtype_error)
         if st.synced is not None:
             sync(st)
         if st.input_dtype is not None:
@@ -170,6 +174,22 @@ class AmpModule:
             _check_loadable(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _apply(self, fn, recurse=True):
+        """``model.half()``, ``.float()``, ``.to(dtype)``... after ``initialize``: the next forward
+        and ``optimizer.step()`` raise (device moves are fine)."""
+        before = _dtypes(self)
+        result = super()._apply(fn, recurse)
+        changed = [(k, before[k], d) for k, d in _dtypes(self).items() if k in before and before[k] != d]
+        if changed:
+            name, old, new = changed[0]
+            self._ampkit.dtype_error = (
+                f"{type(self).__name__} was cast after ampkit.initialize ({len(changed)} tensor(s) changed dtype, "
+                f"e.g. {name}: {old} -> {new}) by model.half()/.float()/.bfloat16()/.to(dtype): the model no "
+                f"longer matches its opt level nor its optimizer's fp32 master weights. ampkit casts the model "
+                f"itself; to train at another level, build a fresh fp32 model and optimizer and initialize them."
+            )
+        return result
+
     def __setstate__(self, state):
         """A copy (``copy.deepcopy``, unpickling) gets float32 weights of its own: copies.py."""
         super().__setstate__(state)
@@ -178,6 +198,10 @@ class AmpModule:
 
     def __reduce_ex__(self, protocol):
         return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
+
+
+def _dtypes(model: nn.Module) -> Dict[str, torch.dtype]:
+    return {k: t.dtype for k, t in itertools.chain(model.named_parameters(), model.named_buffers())}
 
 
 _STANDARD_LOADERS = (nn.Module._load_from_state_dict, _BatchNorm._load_from_state_dict)

@@ -70,6 +70,7 @@ class OptimizerState:
         self.pending: List = []
         self.skip: Optional[int] = None
         self.unstepped: List = []  # resolved overflow checks no step() has consumed yet
+        self.last_step_skipped = False  # ampkit.step_was_skipped(optimizer)
         self.keep_grads = False  # zero_grad(set_to_none=False) was used: master grads persist
         self.in_scale_loss = False  # inside a `with ampkit.scale_loss(...)` block
         self._step = optimizer.step
@@ -323,10 +324,14 @@ def _step(optimizer, closure=None):
             "optimizer.step(closure): closures are not supported by ampkit; compute the loss, "
             "run it through ampkit.scale_loss, then call optimizer.step()."
         )
+    for ms in state.model_states:
+        if ms.dtype_error is not None:
+            raise RuntimeError(ms.dtype_error)
     state.session.finish_backward(state)
     for check in state.unstepped:
         check.consumed = True
     state.unstepped = []
+    state.last_step_skipped = state.skip is not None
     if state.skip is not None:
         state.skip = None
         state.clear_grads(set_to_none=not state.keep_grads)

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from .opt_levels import FLOAT32_RANGE, FLT_MAX, FLT_TINY, positive_finite
+
 __all__ = ["LossScaler", "copy_unscale_and_check_", "unscale_and_check_"]
 
 
@@ -39,6 +41,8 @@ class LossScaler:
         hysteresis: int = 1,
     ):
         self.dynamic = loss_scale == "dynamic"
+        if not self.dynamic:
+            positive_finite("loss_scale", loss_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -49,6 +53,7 @@ class LossScaler:
         self.unskipped = 0
         self.consecutive_overflows = 0
         self.skipped_steps = 0
+        self.warned = set()  # one-time health warnings already given (health.py)
 
     def _clamp(self, scale: float) -> float:
         scale = min(self.max_loss_scale, scale)
@@ -96,7 +101,9 @@ class LossScaler:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["loss_scale"])
+        """Load :meth:`state_dict` output; a dynamic scale outside ``[min_loss_scale,
+        max_loss_scale]`` is clamped into it (the bounds of this run win)."""
+        self.scale = self._clamp(float(state["loss_scale"])) if self.dynamic else float(state["loss_scale"])
         self.unskipped = int(state["unskipped"])
         self.consecutive_overflows = int(state.get("consecutive_overflows", 0))
 
@@ -106,8 +113,9 @@ class LossScaler:
         if not isinstance(state, dict) or "loss_scale" not in state or "unskipped" not in state:
             raise ValueError(f"{name}: expected a dict with 'loss_scale' and 'unskipped', got {state!r}.")
         scale, unskipped = state["loss_scale"], state["unskipped"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"{name}['loss_scale']={scale!r}: expected a positive finite number.")
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                or not FLT_TINY <= scale <= FLT_MAX):
+            raise ValueError(f"{name}['loss_scale']={scale!r}: expected a positive finite number {FLOAT32_RANGE}.")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"{name}['unskipped']={unskipped!r}: expected a non-negative integer.")
         streak = state.get("consecutive_overflows", 0)

@@ -71,6 +71,19 @@ def lbfgs():
     return Env(model, torch.optim.LBFGS(model.parameters()), x, y)
 
 
+def nan_weight():
+    e = raw()
+    with torch.no_grad():
+        e.model.fc2.weight[0, 0] = NAN
+    return e
+
+
+def cast_after_initialize():
+    e = init("O2")
+    e.model.float()  # the half Linear layers back to float32
+    return e
+
+
 def on_meta():
     with torch.device("meta"):
         model = Tiny()
@@ -259,6 +272,10 @@ TABLE = [
     Row("min_loss_scale", "2.**20 with max_loss_scale=2.**16", raw,
         initialize(min_loss_scale=2.0**20, max_loss_scale=2.0**16), ValueError,
         "initialize(min_loss_scale=1048576.0): must not exceed max_loss_scale"),
+    I("loss_scale", "1e39 (inf in float32)", ValueError, "initialize(loss_scale=1e+39): expected \"dynamic\", a positive finite number that float32 holds", call=initialize(loss_scale=1e39)),
+    I("loss_scale", "1e-39 (a float32 subnormal)", ValueError, "initialize(loss_scale=1e-39)", call=initialize(loss_scale=1e-39)),
+    I("min_loss_scale", "1e-40", ValueError, "initialize(min_loss_scale=1e-40): expected a positive finite number that float32 holds"),
+    I("max_loss_scale", "1e39", ValueError, "initialize(max_loss_scale=1e+39): expected a positive finite number that float32 holds"),
     I("loss_scale_hysteresis", "0", ValueError, "initialize(loss_scale_hysteresis=0)"),
     I("enabled", "'yes'", TypeError, "initialize(enabled='yes')"),
     I("ddp", "'yes'", TypeError, "initialize(ddp='yes')"),
@@ -281,6 +298,8 @@ TABLE = [
         RuntimeError, "already wrapped in torch.nn.parallel.distributed.DistributedDataParallel"),
     Row("models", "[model, model]", raw, lambda e: ampkit.initialize([e.model, e.model], e.opt, opt_level="O2"),
         ValueError, "the same model appears twice"),
+    Row("models", "a parameter holding NaN", nan_weight, initialize(opt_level="O2"),
+        ValueError, "parameter fc2.weight already holds inf/NaN values"),
     Row("models", "a model on the meta device", on_meta, initialize(opt_level="O1"),
         RuntimeError, "fc1.weight is on the meta device; materialize the model first"),
     Row("models", "model already initialized (second initialize)", init, initialize(opt_level="O2"),
@@ -329,6 +348,8 @@ TABLE = [
         "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
     Row("closure", "lambda: loss", lambda: init("O2"), lambda e: e.opt.step(lambda: mse(e)), RuntimeError,
         "optimizer.step(closure): closures are not supported by ampkit", where="optimizer"),
+    Row("model", "model.float() after initialize (O2), then forward", cast_after_initialize,
+        lambda e: e.model(e.x), RuntimeError, "was cast after ampkit.initialize", where="model.forward"),
     Row("params", "a set", with_other, lambda e: e.opt.add_param_group({"params": set(e.others[0].parameters())}),
         TypeError, "add_param_group(params=set)", where="optimizer"),
     # state dicts and checkpoints
@@ -341,6 +362,16 @@ TABLE = [
         "unexpected key(s) ['scaler0']", where="ampkit.load_state_dict"),
     Row("state", "loss_scale=-1", lambda: init("O2"), amp_load({"loss_scaler0": _scaler(-1.0)}), ValueError,
         "loss_scaler0['loss_scale']=-1.0: expected a positive finite number", where="ampkit.load_state_dict"),
+    Row("state", "loss_scale=1e-300 (0 in float32)", lambda: init("O2"), amp_load({"loss_scaler0": _scaler(1e-300)}),
+        ValueError, "loss_scaler0['loss_scale']=1e-300: expected a positive finite number that float32 holds",
+        where="ampkit.load_state_dict"),
+    Row("optimizer", "not given, two training runs alive", two_sessions, amp_load({"loss_scaler0": _scaler()}),
+        RuntimeError, "2 training runs (initialize calls with optimizers) are alive", where="ampkit.load_state_dict"),
+    Row("optimizer", "not given, two training runs alive", two_sessions, lambda e: ampkit.state_dict(),
+        RuntimeError, "2 training runs (initialize calls with optimizers) are alive", where="ampkit.state_dict"),
+    Row("optimizer", "an optimizer that skipped initialize", lambda: init("O2"),
+        lambda e: ampkit.state_dict(optimizer=torch.optim.SGD(e.model.parameters(), lr=0.1)), ValueError,
+        "ampkit.state_dict(): optimizer=SGD did not go through ampkit.initialize", where="ampkit.state_dict"),
     Row("state", "consecutive_overflows='x' in loss_scaler1", lambda: init("O2", num_losses=2, loss_scale_hysteresis=2),
         amp_load({"loss_scaler0": _scaler(), "loss_scaler1": _scaler(consecutive_overflows="x")}), ValueError,
         "loss_scaler1['consecutive_overflows']='x'", where="ampkit.load_state_dict"),
@@ -386,6 +417,13 @@ def _still_usable(e: Env):
     params = {id(p) for p in model.parameters()}
     if any(id(p) not in params for g in e.opt.param_groups for p in g["params"]) and not hasattr(e.opt, "_ampkit"):
         e.opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the foreign-parameter optimizer
+    if getattr(getattr(model, "_ampkit", None), "dtype_error", None):  # cast after initialize: start over
+        model, e.opt = make()
+        model, e.opt = ampkit.initialize(model, e.opt, opt_level="O2", verbosity=0)
+    if not all_finite(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.nan_to_num_(0.0)
     if isinstance(e.opt, torch.optim.LBFGS):
         e.opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if not hasattr(model, "_ampkit"):
