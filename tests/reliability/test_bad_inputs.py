@@ -9,6 +9,7 @@ reported). ``BAD_INPUTS.md`` is this table rendered for the README; the last tes
 it in sync (``AMPKIT_WRITE_BAD_INPUTS=1 python -m pytest tests/reliability/test_bad_inputs.py``
 rewrites it). The session summary prints "N bad inputs checked".
 """
+import argparse
 import dataclasses
 import logging
 import os
@@ -384,6 +385,12 @@ TABLE = [
         "size mismatch for fc1.weight", where="model.load_state_dict"),
     Row("state_dict", "another optimizer's layout (2 groups)", lambda: init("O2", "adamw"), opt_from_other_layout,
         ValueError, "loaded state dict has a different number of parameter groups", where="optimizer.load_state_dict"),
+    Row("extra", "{'out': pathlib.Path(...)}", with_checkpoint("plain"),
+        lambda e: checkpoint.save(e.tmp / "new.ckpt", e.model, e.opt, extra={"out": Path("/tmp/run")}), TypeError,
+        "extra['out'] is a pathlib.PosixPath, which torch.load(..., weights_only=True)", where="ampkit.checkpoint.save"),
+    Row("extra", "{'args': argparse.Namespace(...)}", with_checkpoint("plain"),
+        lambda e: checkpoint.save(e.tmp / "new.ckpt", e.model, e.opt, extra={"args": argparse.Namespace(lr=0.1)}),
+        TypeError, "extra['args'] is a argparse.Namespace", where="ampkit.checkpoint.save"),
     Row("path", "a truncated file", with_checkpoint("truncated"),
         lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
         "truncated or corrupted?", where="ampkit.checkpoint.load"),
