@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import health, opt_levels
-from .casting import cast_module_
+from .casting import cast_module_, check_sparse_embeddings
 from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
 from .scaler import LossScaler
@@ -321,6 +321,8 @@ def initialize(
     session = Session(True, props, verbosity=verbosity, device_type=device_type)
     _check_optimizers(opt_list, model_list, session, use_masters)
     health.check_finite_weights(model_list)
+    if cast_to_half:
+        check_sparse_embeddings(model_list, props.cast_model_type)
 
     # Everything is valid: from here on, modify. Masters start from the fp32 values, not
     # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).

@@ -41,8 +41,8 @@ def after_update(session, loss_id: int, scaler) -> None:
             "the loss (a bad batch, a too-high learning rate that already made the weights overflow).",
             loss_id, scaler.consecutive_overflows, scaler.loss_scale())
     half = getattr(session.properties, "half_dtype", None)
-    if (scaler.dynamic and half is not None and scaler.loss_scale() < underflow_scale(half)
-            and "underflow" not in warned):
+    if ("underflow" not in warned and scaler.dynamic and half is not None
+            and scaler.loss_scale() < underflow_scale(half)):
         warned.add("underflow")
         logger.warning(
             "ampkit: loss scaler %d's dynamic loss scale has fallen to %s (below %s): %s gradients "

@@ -196,6 +196,12 @@ class AmpModule:
         if "_ampkit" in self.__dict__:
             make_standalone(self)
 
+    def __copy__(self):
+        """``copy.copy``: a second handle on the same parameters and state, as for any module."""
+        new = _rebuild(type(self).__mro__[2])
+        nn.Module.__setstate__(new, self.__dict__.copy())
+        return new
+
     def __reduce_ex__(self, protocol):
         return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import ampkit
+import ampkit.casting
 from ampkit.frontend import current_session
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
@@ -21,8 +22,8 @@ class Bag(nn.Module):
         self.emb = nn.Embedding(12, 4, sparse=True)
         self.fc = nn.Linear(4, 3)
 
-    def forward(self, idx):
-        return self.fc(self.emb(idx).mean(1))
+    def forward(self, idx):  # the embedding is used twice: autograd adds its sparse gradients
+        return self.fc(self.emb(idx).mean(1) + 0.5 * self.emb(idx[:, :2]).mean(1))
 
 
 def _batches(n=4):
@@ -60,9 +61,31 @@ def _train_bag(level, kind, overflow_at=None):
     return model, seen
 
 
+def _sparse_trainable(level):
+    """torch cannot add sparse float16 gradients on CPU: O2/O3 (a float16 model) refuse there."""
+    return level not in ("O2", "O3") or ampkit.casting._sparse_add_works(torch.float16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_sparse_embeddings_refused_where_torch_cannot_add_their_half_gradients(level):
+    if _sparse_trainable(level):
+        pytest.skip("this build adds sparse float16 gradients on CPU")
+    torch.manual_seed(0)
+    model = Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"emb.weight has sparse gradients \(sparse=True\), and PyTorch cannot add "
+                                         r"sparse torch.float16 gradients on cpu"):
+        ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    assert not hasattr(model, "_ampkit") and not hasattr(opt, "_ampkit")
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("kind", ["sgd", "sparse_adam"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_sparse_embedding_gradients_train_like_float32(level, kind):
+    if not _sparse_trainable(level):
+        pytest.skip("refused at initialize (see above)")
     _, ref = _train_bag(None, kind)
     model, ours = _train_bag(level, kind)
     assert model.emb.weight.dtype == (HALF[level] if level in ("O2", "O3", "O5") else torch.float32)
@@ -73,6 +96,8 @@ def test_sparse_embedding_gradients_train_like_float32(level, kind):
 @pytest.mark.parametrize("kind", ["sgd", "sparse_adam"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_an_overflowing_sparse_gradient_skips_the_step(level, kind):
+    if not _sparse_trainable(level):
+        pytest.skip("refused at initialize")
     _, seen = _train_bag(level, kind, overflow_at=2)
     assert all(torch.equal(seen[1][k], seen[2][k]) for k in seen[1])
     assert current_session("test").scalers[0].skipped_steps == 1
@@ -188,3 +213,25 @@ def test_zero_grad_set_to_none_false_zero_fills_masters_too(level):
         assert all(g is None or (g.dtype == d and not g.any()) for g, d in zip(step, stepped))
     for k, v in sd.items():
         torch.testing.assert_close(v, ref_sd[k], **TOL[HALF[level]], msg=k)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_sparse_gradients_accumulate_over_two_backwards(level):
+    """Two scale_loss calls before one step == one backward of the summed loss."""
+    if not _sparse_trainable(level):
+        pytest.skip("refused at initialize")
+    results = []
+    for split in (True, False):
+        torch.manual_seed(0)
+        model = Bag()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+        (i1, y1), (i2, y2) = _batches(2)
+        losses = [nn.functional.mse_loss(model(i1), y1), nn.functional.mse_loss(model(i2), y2)]
+        for loss in (losses if split else [losses[0] + losses[1]]):
+            with ampkit.scale_loss(loss, opt) as s:
+                s.backward()
+        opt.step()
+        results.append(model.state_dict())
+    for k, v in results[0].items():
+        torch.testing.assert_close(v, results[1][k], **TOL[HALF[level]], msg=k)

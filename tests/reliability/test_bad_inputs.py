@@ -85,6 +85,16 @@ def cast_after_initialize():
     return e
 
 
+def sparse_embedding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 3))
+    x, y = fixed_batch()
+    e = Env(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    e.others, e.model = [model], make()[0]  # the table trains a Tiny afterwards
+    e.opt = torch.optim.SGD(e.model.parameters(), lr=0.1)
+    return e
+
+
 def on_meta():
     with torch.device("meta"):
         model = Tiny()
@@ -301,6 +311,9 @@ TABLE = [
         ValueError, "the same model appears twice"),
     Row("models", "a parameter holding NaN", nan_weight, initialize(opt_level="O2"),
         ValueError, "parameter fc2.weight already holds inf/NaN values"),
+    Row("models", "nn.Embedding(sparse=True) at O2 (float16 on CPU)", sparse_embedding,
+        lambda e: ampkit.initialize(e.others[0], torch.optim.SGD(e.others[0].parameters(), lr=0.1), opt_level="O2"),
+        ValueError, "0.weight has sparse gradients (sparse=True), and PyTorch cannot add sparse torch.float16 gradients on cpu"),
     Row("models", "a model on the meta device", on_meta, initialize(opt_level="O1"),
         RuntimeError, "fc1.weight is on the meta device; materialize the model first"),
     Row("models", "model already initialized (second initialize)", init, initialize(opt_level="O2"),
