@@ -208,3 +208,31 @@ def test_same_optimizer_twice_in_the_list_counts_once(level):
         results.append([p.grad.clone() for p in ampkit.master_params(opt)])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flag", ["delay_overflow_check", "delay_unscale"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_dropped_batch_with_delayed_check_or_unscale(level, flag):
+    """An overflowing batch dropped after a scale_loss(..., delay_overflow_check/delay_unscale=True)
+    block: its pending check or still-scaled gradients go with zero_grad()."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    for i, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        try:
+            with ampkit.scale_loss(_loss(model, x, y, overflow=i == 2), opt, **{flag: True}) as s:
+                s.backward()
+            if i == 2:
+                raise Dropped()
+            opt.step()
+        except Dropped:
+            pass
+    scaler = current_session("test").scalers[0]
+    ours = {"params": [p.detach().clone() for p in model.parameters()],
+            "masters": [p.detach().clone() for p in ampkit.master_params(opt)],
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "opt": repr(opt.state_dict()["state"]),
+            "scaler": (scaler.loss_scale(), scaler.unskipped, scaler.skipped_steps)}
+    assert_same_run(ours, run_without(level, 2))
