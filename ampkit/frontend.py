@@ -1,8 +1,8 @@
 """The user-facing calls: ``initialize``, ``scale_loss``, ``state_dict`` and friends."""
 import contextlib
+import gc
 import inspect
 import itertools
-import gc
 import logging
 import weakref
 from typing import List, Optional
