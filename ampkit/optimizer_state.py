@@ -220,11 +220,12 @@ class OptimizerState:
         """
         half, targets, numel, sparse = [], [], 0, []
         for p, m in self.masters.items():
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    sparse.append((m, p.grad))
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    sparse.append((m, g))
                 else:
-                    half.append(p.grad)
+                    half.append(g)
                     targets.append(m)
                     numel += m.numel()
                 p.grad = None
