@@ -99,13 +99,19 @@ def test_persistent_overflow_warns_once_about_skips_and_once_about_underflow(cap
     assert len(_warnings(caplog)) == 2 and not ampkit.step_was_skipped(opt)
 
 
-def test_static_scale_warns_about_skips_only(caplog):
-    model, opt = build("O5")
+@pytest.mark.parametrize("level", LEVELS)
+def test_persistent_overflow_warnings_per_level(level, caplog):
+    """Every level warns once about the skips; only a dynamic float16 scale (O1/O2) also
+    about underflow (static scales do not move; bfloat16 would need 2**-109)."""
+    model, opt = build(level)
     with caplog.at_level(logging.WARNING, logger="ampkit"):
         for _ in range(health.CONSECUTIVE_SKIPS + 3):
             step(model, opt, poisoned=True)
     warned = _warnings(caplog)
-    assert len(warned) == 1 and "skipped 20 steps in a row" in warned[0]
+    assert sum("skipped 20 steps in a row" in w for w in warned) == 1
+    assert sum("flush to zero" in w for w in warned) == (1 if level in ("O1", "O2") else 0)
+    assert len(warned) == (2 if level in ("O1", "O2") else 1)
+    assert ampkit.loss_scalers(opt)[0].skipped_steps == health.CONSECUTIVE_SKIPS + 3
 
 
 def test_underflow_threshold_per_half_dtype():
@@ -203,7 +209,7 @@ def test_a_teacher_without_optimizer_does_not_take_over_the_checkpoint_calls():
 def test_two_training_runs_need_to_be_named():
     m1, o1 = build("O2", seed=1)
     m2, o2 = build("O5", seed=2)
-    with pytest.raises(RuntimeError, match=r"2 training runs .* are alive .* pass optimizer=\.\.\. \(or model=\.\.\.\)"):
+    with pytest.raises(RuntimeError, match=r"\d+ training runs .* are alive .* pass optimizer=\.\.\. \(or model=\.\.\.\)"):
         ampkit.state_dict()
     with pytest.raises(RuntimeError, match="ambiguous"):
         ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})
