@@ -19,6 +19,7 @@ _EXPORTS = {
     "NoEffectWarning": "errors",
     "OPT_LEVELS": "opt_levels", "Properties": "opt_levels",
     "LossScaler": "scaler",
+    "loss_scalers": "health", "step_was_skipped": "health",
     "checkpoint": "", "normalization": "", "parallel": "", "surgery": "",
 }
 

@@ -1,5 +1,6 @@
 """Dtype casts of nested inputs/outputs and of a model's parameters and buffers."""
 import copy
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -63,3 +64,32 @@ def cast_module_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
                 module._buffers[name] = buf.to(target)
                 count += 1
     return count
+
+
+def check_sparse_embeddings(models, dtype) -> None:
+    """Refuse embeddings with sparse gradients that a cast to ``dtype`` would make untrainable:
+    PyTorch cannot add sparse ``dtype`` gradients on their device (float16 on CPU), and autograd
+    adds them whenever the embedding is used twice in one forward."""
+    for i, model in enumerate(models):
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not (isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and weight is not None):
+                continue
+            if weight.is_floating_point() and not _sparse_add_works(dtype, weight.device):
+                where = (name or type(module).__name__) if len(models) == 1 else f"models[{i}].{name}"
+                raise ValueError(
+                    f"initialize(models=...): {where}.weight has sparse gradients (sparse=True), and PyTorch cannot "
+                    f"add sparse {dtype} gradients on {weight.device.type}, which this opt level would cast it to. "
+                    f"Use an opt level that keeps the weights float32 (O0, O1, O4), bfloat16 (O5), or sparse=False."
+                )
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_add_works(dtype, device) -> bool:
+    one = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=dtype), (1,),
+                                  device=device, check_invariants=True)
+    try:
+        one + one
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True

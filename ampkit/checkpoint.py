@@ -14,6 +14,8 @@ mismatched file raises :class:`CheckpointError` and leaves everything as it was.
 The file stays an ordinary ``torch.save`` file: ``torch.load(path)["model"]`` is a
 float32 state dict that loads into a plain model for inference elsewhere.
 """
+import argparse
+import collections
 import copy
 import ctypes
 import hashlib
@@ -78,9 +80,52 @@ def _digest(payload: dict) -> str:
 
 # --- save -----------------------------------------------------------------------------------
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _check_extra(obj, where: str) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` (and so :func:`load`) cannot read back."""
+    if type(obj) in _PLAIN or type(obj) in (torch.Tensor, nn.Parameter):
+        return
+    if type(obj) in (dict, collections.OrderedDict):
+        for k, v in obj.items():
+            _check_extra(k, f"{where} key {k!r}")
+            _check_extra(v, f"{where}[{k!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            _check_extra(v, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"ampkit.checkpoint.save(extra=...): {where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+        f"torch.load(..., weights_only=True), and so ampkit.checkpoint.load, cannot read back; store plain "
+        f"Python data, tensors, lists, tuples and dicts (here e.g. {_hint(obj)}). Nothing was written."
+    )
+
+
+def _hint(obj) -> str:
+    if isinstance(obj, os.PathLike):
+        return "str(path)"
+    if isinstance(obj, argparse.Namespace):
+        return "vars(args)"
+    if isinstance(obj, (set, frozenset)):
+        return "sorted(x)"
+    if callable(getattr(obj, "item", None)):  # numpy scalars and 0-d arrays
+        return "x.item()"
+    return "str(x), or the fields it holds"
+
+
 def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Optional[dict] = None) -> None:
     """Write ``model``, ``optimizer``, their loss scalers and ``extra`` (plain data, e.g. the
-    step number) to ``path`` atomically."""
+    step number) to ``path`` atomically.
+
+    ``extra`` may hold None, bools, numbers, strings, bytes, tensors, dtypes, devices and
+    lists/tuples/dicts of them; anything else (a numpy scalar, a ``pathlib.Path``, an
+    ``argparse.Namespace``) raises a TypeError naming the key before anything is written.
+    """
+    if extra is not None and type(extra) is not dict:
+        raise TypeError(f"ampkit.checkpoint.save(extra=...): expected a dict or None, got {type(extra).__name__}.")
+    _check_extra(extra, "extra")
     scalers = _scalers(optimizer, "save")
     payload = {
         "model": model.state_dict(),
@@ -229,7 +274,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         optimizer.load_state_dict(payload["optimizer"])
         for i, s in enumerate(scalers):
             s.load_state_dict(payload["amp"][f"loss_scaler{i}"])
-    except Exception as e:
+    except BaseException as e:  # KeyboardInterrupt too: roll back, then let it propagate
         try:
             model.load_state_dict(undo_model)
             optimizer.load_state_dict(undo_opt)
@@ -241,5 +286,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                 f"previous state ({type(again).__name__}: {again}); the model and optimizer are inconsistent: "
                 f"load a checkpoint again before training."
             ) from e
+        if not isinstance(e, Exception):
+            raise
         raise CheckpointError(f"{where}: applying the checkpoint failed, nothing was changed: {type(e).__name__}: {e}") from e
     return payload["extra"]

@@ -1,15 +1,18 @@
 """The user-facing calls: ``initialize``, ``scale_loss``, ``state_dict`` and friends."""
 import contextlib
+import gc
+import inspect
 import itertools
 import logging
 import warnings
+import weakref
 from typing import List, Optional
 
 import torch
 from torch import nn
 
-from . import opt_levels
-from .casting import cast_module_
+from . import health, opt_levels
+from .casting import cast_module_, check_sparse_embeddings
 from .errors import NoEffectWarning
 from .logs import is_main_process, logger
 from .model_state import ModelState, attach as attach_model
@@ -17,6 +20,7 @@ from .optimizer_state import OptimizerState
 from .scaler import LossScaler
 
 _current = None  # the Session of the latest initialize()
+_runs = weakref.WeakKeyDictionary()  # initialized model -> its Session (alive as long as the model)
 _reported = set()  # one-time notes already logged in this process
 
 
@@ -83,6 +87,15 @@ class OverflowCheck:
         self.states = states
         self.found_inf = {}
         self.done = False
+        self.consumed = False  # an optimizer stepped after this check
+        self.before = self.after = None  # the scaler's state around its update
+
+    def rollback(self) -> None:
+        """The batch was dropped (``zero_grad`` with no ``step``): undo the scaler update,
+        unless a later check has moved the scaler since."""
+        if not self.consumed and self.after is not None and self.scaler.snapshot() == self.after:
+            self.scaler.restore(self.before)
+        self.consumed = True
 
     def resolve(self) -> bool:
         if self.done:
@@ -96,7 +109,12 @@ class OverflowCheck:
         overflow = bool(found.item())
         pinned = self.scaler is not None and self.scaler.at_floor
         if self.scaler is not None:
+            self.before = self.scaler.snapshot()
             self.scaler.update(overflow)
+            self.after = self.scaler.snapshot()
+            health.after_update(self.session, self.loss_id, self.scaler)
+        for st in self.states:
+            st.unstepped.append(self)
         if overflow:
             for st in self.states:
                 st.skip = self.loss_id
@@ -186,6 +204,13 @@ def _check_optimizers(optimizers, models, session: Session, use_masters: bool) -
         if id(opt) in seen:
             raise ValueError("initialize(optimizers=...): the same optimizer appears twice in the list.")
         seen.add(id(opt))
+        if _needs_closure(opt):
+            raise ValueError(
+                f"initialize(optimizers=...): {type(opt).__name__}.step(closure) needs a closure (it "
+                f"re-evaluates the loss itself, several times per step); ampkit scales one loss per backward "
+                f"in `with ampkit.scale_loss(...)` and cannot run inside a closure. Use an optimizer whose "
+                f"step() takes no closure, or train this one without ampkit."
+            )
         params = [p for g in opt.param_groups for p in g["params"]]
         foreign = [i for i, p in enumerate(params) if id(p) not in owned]
         if foreign:
@@ -195,6 +220,15 @@ def _check_optimizers(optimizers, models, session: Session, use_masters: bool) -
                 f"whose parameters the optimizer trains."
             )
         session.check_devices(params, use_masters)
+
+
+def _needs_closure(opt) -> bool:
+    """Whether ``opt.step`` has a ``closure`` argument without a default (``LBFGS``)."""
+    try:
+        closure = inspect.signature(type(opt).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_int(name, value, low):
@@ -318,6 +352,9 @@ def initialize(
     device_type = _device_type(model_list[0])
     session = Session(True, props, verbosity=verbosity, device_type=device_type)
     _check_optimizers(opt_list, model_list, session, use_masters)
+    health.check_finite_weights(model_list)
+    if cast_to_half:
+        check_sparse_embeddings(model_list, props.cast_model_type)
 
     # Everything is valid: from here on, modify. Masters start from the fp32 values, not
     # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).
@@ -333,6 +370,9 @@ def initialize(
         OptimizerState(opt, session, use_masters, model_states, originals).attach()
     originals.clear()
     _current = session
+    session.trains = bool(opt_list)
+    for m in model_list:
+        _runs[m] = session
     _report(session, defaults, applied, notes, opt_list, use_masters)
     if ddp:
         model_list = [_wrap_ddp(m, props, ddp_kwargs or {}) for m in model_list]
@@ -459,8 +499,14 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
         raise ValueError(f"scale_loss(loss_id={loss_id!r}): expected an integer in [0, {n - 1}] (initialize got num_losses={n}).")
     scaler = session.scalers[loss_id]
-    states = [o._ampkit for o in opts]
+    states = list({id(o): o._ampkit for o in opts}.values())  # an optimizer listed twice counts once
     for st in states:
+        if st.in_scale_loss:
+            raise RuntimeError(
+                f"scale_loss: {type(st.optimizer).__name__} is already inside an enclosing "
+                f"`with ampkit.scale_loss(...)` block; nested blocks on one optimizer would unscale its "
+                f"gradients twice. Finish the outer block first, or use delay_unscale=True to accumulate."
+            )
         if st.scaled_by is not None and st.scaled_by is not scaler:
             raise RuntimeError(
                 f"scale_loss(loss_id={loss_id}): the optimizer still holds gradients scaled by another loss's "
@@ -468,13 +514,20 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             )
         st.before_backward()
     scale = scaler.loss_scale()
-    yield loss.float() * scale if scale != 1.0 else loss.float()
-    if delay_unscale:
-        window = list({id(w): w for st in states for w in st.window + [st]}.values())
-        for st in window:
-            st.window = window
+    for st in states:
+        st.in_scale_loss = True
+    try:
+        yield loss.float() * scale if scale != 1.0 else loss.float()
+    except BaseException:
+        # A batch dropped inside the block: whatever backward wrote still carries the
+        # scale. Record it, so zero_grad() discards it and a later backward unscales it.
+        _leave_scaled(states, scaler)
+        raise
+    finally:
         for st in states:
-            st.scaled_by = scaler
+            st.in_scale_loss = False
+    if delay_unscale:
+        _leave_scaled(states, scaler)
         return
     check = OverflowCheck(session, scaler, states)
     for st in states:
@@ -483,6 +536,15 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         st.window = [st]
     if not delay_overflow_check:
         check.resolve()
+
+
+def _leave_scaled(states, scaler) -> None:
+    """The states' gradients stay scaled by ``scaler`` (an open accumulation window)."""
+    window = list({id(w): w for st in states for w in st.window + [st]}.values())
+    for st in window:
+        st.window = window
+    for st in states:
+        st.scaled_by = scaler
 
 
 def _session_of(opts) -> Session:
@@ -511,27 +573,64 @@ def master_params(optimizer):
         yield from group["params"]
 
 
-def state_dict(destination=None) -> dict:
+def training_session(caller: str, optimizer=None, model=None) -> Session:
+    """The run ``optimizer`` or ``model`` belongs to; without either, the one training run
+    (``initialize`` with optimizers) alive in this process. An ``initialize`` without
+    optimizers (a teacher, an EMA model) never becomes the default."""
+    if optimizer is not None:
+        state = getattr(optimizer, "_ampkit", None)
+        if state is None:
+            raise ValueError(f"{caller}: optimizer={type(optimizer).__name__} did not go through ampkit.initialize.")
+        return state.session
+    if model is not None:
+        session = _runs.get(getattr(model, "module", model)) or _runs.get(model)
+        if session is None:
+            raise ValueError(f"{caller}: model={type(model).__name__} did not go through ampkit.initialize.")
+        return session
+    runs = _training_runs()
+    if len(runs) > 1:
+        gc.collect()  # runs that are only garbage still waiting for the cycle collector
+        runs = _training_runs()
+    if len(runs) > 1:
+        raise RuntimeError(
+            f"{caller}: {len(runs)} training runs (initialize calls with optimizers) are alive in this "
+            f"process, so which loss scalers are meant is ambiguous; pass optimizer=... (or model=...) "
+            f"of the run you mean."
+        )
+    if runs:
+        return runs[0]
+    return current_session(caller)
+
+
+def _training_runs() -> list:
+    return list({id(s): s for s in list(_runs.values()) if s.enabled and getattr(s, "trains", False)}.values())
+
+
+def state_dict(destination=None, optimizer=None, model=None) -> dict:
     """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``.
+
+    The scalers of the run ``optimizer`` (or ``model``) belongs to; see :func:`training_session`.
 
     Args:
         destination: a dict to fill (and return) instead of a new one.
+        optimizer, model: the run whose scalers are meant (needed when several runs are alive).
     """
-    session = current_session("ampkit.state_dict()")
+    session = training_session("ampkit.state_dict()", optimizer, model)
     out = {} if destination is None else destination
     for i, s in enumerate(session.scalers):
         out[f"loss_scaler{i}"] = s.state_dict()
     return out
 
 
-def load_state_dict(state: dict) -> None:
+def load_state_dict(state: dict, optimizer=None, model=None) -> None:
     """Restore loss scalers from :func:`state_dict` output (or Apex's ``amp.state_dict()``).
 
     Args:
         state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` with one
-            entry per loss of the current ``initialize``; checked whole before anything loads.
+            entry per loss of the run; checked whole before anything loads.
+        optimizer, model: choose the run as in :func:`state_dict`.
     """
-    session = current_session("ampkit.load_state_dict()")
+    session = training_session("ampkit.load_state_dict()", optimizer, model)
     if not isinstance(state, dict):
         raise TypeError(f"ampkit.load_state_dict(state): expected a dict, got {type(state).__name__}.")
     bad = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler") and k[11:].isdigit())]

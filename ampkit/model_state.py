@@ -6,6 +6,7 @@ Unlike a closure assigned to ``model.forward`` this survives ``copy.deepcopy``,
 pickling, ``torch.compile`` and DataParallel replication, and ``isinstance`` checks
 against the original class still hold. ``model._ampkit`` is a :class:`ModelState`.
 """
+import itertools
 from collections.abc import Mapping
 from typing import Dict, Optional
 
@@ -14,11 +15,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .casting import cast_tree
+from .copies import make_standalone, sync, sync_one
 from .opt_levels import HALF_DTYPES
 
 
 class ModelState:
     """How an initialized model casts, and which of its parameters have fp32 masters."""
+
+    dtype_error: Optional[str] = None  # set when the model was cast after initialize (AmpModule._apply)
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class ModelState:
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
+        self.synced = None  # on copies only: see copies.py
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -80,22 +85,20 @@ class _Float32StateDict:
 
     def __call__(self, module, state_dict, prefix, local_metadata):
         masters = self.state.masters
+        copied = self.state.synced is not None
         for mod, pre in _own_tree(module, prefix):
-            for name, p in mod._parameters.items():
-                key = pre + name
-                if p is None or key not in state_dict or state_dict[key] is p:
-                    continue
-                master = masters.get(p)
-                if master is not None:
-                    state_dict[key] = master.detach()
-                elif state_dict[key].dtype in HALF_DTYPES:
-                    state_dict[key] = state_dict[key].float()
-            for name, b in mod._buffers.items():
-                key = pre + name
-                if b is None or key not in state_dict or state_dict[key] is b:
-                    continue
-                if state_dict[key].dtype in HALF_DTYPES:
-                    state_dict[key] = state_dict[key].float()
+            for tensors in (mod._parameters, mod._buffers):
+                for name, t in tensors.items():
+                    key = pre + name
+                    if t is None or key not in state_dict or state_dict[key] is t:
+                        continue
+                    master = masters.get(t)
+                    if master is not None:
+                        if copied:
+                            sync_one(self.state, t, master)
+                        state_dict[key] = master.detach()
+                    elif state_dict[key].dtype in HALF_DTYPES:
+                        state_dict[key] = state_dict[key].float()
 
 
 class _MasterLoadSync:
@@ -116,7 +119,7 @@ class _MasterLoadSync:
         if not masters:
             return
         for mod, pre in _own_tree(module, prefix):
-            for name, p in mod._parameters.items():
+            for name, p in itertools.chain(mod._parameters.items(), mod._buffers.items()):  # buffers: copies
                 master = masters.get(p) if p is not None else None
                 value = state_dict.get(pre + name)
                 if master is None or not torch.is_tensor(value):
@@ -138,6 +141,10 @@ class AmpModule:
 
     def forward(self, *args, **kwargs):
         st: ModelState = self._ampkit
+        if st.dtype_error is not None:
+            raise RuntimeError(st.dtype_error)
+        if st.synced is not None:
+            sync(st)
         if st.input_dtype is not None:
             args = cast_tree(args, st.input_dtype)
             kwargs = cast_tree(kwargs, st.input_dtype)
@@ -167,8 +174,40 @@ class AmpModule:
             _check_loadable(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _apply(self, fn, recurse=True):
+        """``model.half()``, ``.float()``, ``.to(dtype)``... after ``initialize``: the next forward
+        and ``optimizer.step()`` raise (device moves are fine)."""
+        before = _dtypes(self)
+        result = super()._apply(fn, recurse)
+        changed = [(k, before[k], d) for k, d in _dtypes(self).items() if k in before and before[k] != d]
+        if changed:
+            name, old, new = changed[0]
+            self._ampkit.dtype_error = (
+                f"{type(self).__name__} was cast after ampkit.initialize ({len(changed)} tensor(s) changed dtype, "
+                f"e.g. {name}: {old} -> {new}) by model.half()/.float()/.bfloat16()/.to(dtype): the model no "
+                f"longer matches its opt level nor its optimizer's fp32 master weights. ampkit casts the model "
+                f"itself; to train at another level, build a fresh fp32 model and optimizer and initialize them."
+            )
+        return result
+
+    def __setstate__(self, state):
+        """A copy (``copy.deepcopy``, unpickling) gets float32 weights of its own: copies.py."""
+        super().__setstate__(state)
+        if "_ampkit" in self.__dict__:
+            make_standalone(self)
+
+    def __copy__(self):
+        """``copy.copy``: a second handle on the same parameters and state, as for any module."""
+        new = _rebuild(type(self).__mro__[2])
+        nn.Module.__setstate__(new, self.__dict__.copy())
+        return new
+
     def __reduce_ex__(self, protocol):
         return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
+
+
+def _dtypes(model: nn.Module) -> Dict[str, torch.dtype]:
+    return {k: t.dtype for k, t in itertools.chain(model.named_parameters(), model.named_buffers())}
 
 
 _STANDARD_LOADERS = (nn.Module._load_from_state_dict, _BatchNorm._load_from_state_dict)

@@ -13,6 +13,8 @@ import torch
 HALF_DTYPE = "half_dtype"  # table marker: "cast the model to the level's half dtype"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLT_TINY, FLT_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+FLOAT32_RANGE = f"that float32 holds as a normal number ({FLT_TINY:.4g} to {FLT_MAX:.4g})"
 
 
 @dataclasses.dataclass
@@ -135,6 +137,8 @@ def positive_finite(name, value) -> float:
         number = None
     if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"initialize({name}={value!r}): expected a positive finite number.")
+    if not FLT_TINY <= number <= FLT_MAX:  # 1e39 is inf in float32, 1e-39 a subnormal
+        raise ValueError(f"initialize({name}={value!r}): expected a positive finite number {FLOAT32_RANGE}.")
     return number
 
 
@@ -145,8 +149,8 @@ def _loss_scale(value):
         return positive_finite("loss_scale", value)
     except (TypeError, ValueError):
         raise ValueError(
-            f"initialize(loss_scale={value!r}): expected \"dynamic\", a positive finite number, "
-            f"or a numeric string such as \"128.0\"."
+            f"initialize(loss_scale={value!r}): expected \"dynamic\", a positive finite number "
+            f"{FLOAT32_RANGE}, or a numeric string such as \"128.0\"."
         ) from None
 
 

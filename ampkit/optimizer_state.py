@@ -69,6 +69,10 @@ class OptimizerState:
         self._spent: List[torch.Tensor] = []  # half grads already moved to the masters
         self.pending: List = []
         self.skip: Optional[int] = None
+        self.unstepped: List = []  # resolved overflow checks no step() has consumed yet
+        self.last_step_skipped = False  # ampkit.step_was_skipped(optimizer)
+        self.keep_grads = False  # zero_grad(set_to_none=False) was used: master grads persist
+        self.in_scale_loss = False  # inside a `with ampkit.scale_loss(...)` block
         self._step = optimizer.step
         self._zero_grad = optimizer.zero_grad
         self._add_param_group = optimizer.add_param_group
@@ -183,13 +187,15 @@ class OptimizerState:
     def unscale(self, inv_scale: float, found_inf: dict) -> None:
         """Turn the scaled gradients of the last backward into clean ones."""
         self.scaled_by = None
-        plain = [p.grad for p in self.step_params() if p.grad is not None and p not in self.owner]
+        plain = [_coalesced(p) for p in self.step_params() if p.grad is not None and p not in self.owner]
         self._move_half_grads(inv_scale, found_inf)
         unscale_and_check_(plain, inv_scale, found_inf)
         restored, add_to, add_from = [], [], []
         for p, g in self.stash.items():
             if p.grad is None:
                 restored.append((p, g))
+            elif p.grad.is_sparse or g.is_sparse:
+                restored.append((p, p.grad + g))
             else:
                 add_to.append(p.grad)
                 add_from.append(g)
@@ -216,14 +222,22 @@ class OptimizerState:
         step, they would let the allocator trim the heap and the next backward would fault
         the pages back in.
         """
-        half, targets, numel = [], [], 0
+        half, targets, numel, sparse = [], [], 0, []
         for p, m in self.masters.items():
-            if p.grad is not None:
-                half.append(p.grad)
-                targets.append(m)
-                numel += m.numel()
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    sparse.append((m, g))
+                else:
+                    half.append(g)
+                    targets.append(m)
+                    numel += m.numel()
                 p.grad = None
         self._spent = half
+        for m, g in sparse:  # widened before coalescing: duplicate rows could overflow the half sum
+            g = g.float().coalesce()
+            unscale_and_check_([g], inv_scale, found_inf)
+            m.grad = g if m.grad is None else m.grad + g
         reuse = 4 * numel >= REUSED_GRADS_BYTES
         out, add_to, add_from = [], [], []
         for m in targets:
@@ -249,7 +263,18 @@ class OptimizerState:
         self._move_half_grads(1.0, found_inf)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
-        """Clear model and master gradients alike, and forget set-aside or scaled ones."""
+        """Clear model and master gradients alike, and forget set-aside or scaled ones.
+
+        Called without a ``step()`` since the last backward (a dropped batch), it also
+        forgets that batch's overflow checks: no pending skip, and the scaler moves back
+        to where it was, as if the batch had never been seen.
+        """
+        for check in reversed(self.unstepped):
+            check.rollback()
+        self.unstepped = []
+        self.pending = []
+        self.skip = None
+        self.window = [self]
         self._zero_grad(set_to_none=set_to_none)
         for p in self.masters:
             if p.grad is not None:
@@ -257,6 +282,8 @@ class OptimizerState:
                     p.grad = None
                 else:
                     p.grad.detach_().zero_()
+        if not set_to_none:  # from now on master gradients persist, zero-filled, as plain ones do
+            self.keep_grads = True
         self.stash.clear()
         self.scaled_by = None
         self._spent = []
@@ -266,6 +293,15 @@ class OptimizerState:
         if self.masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+
+
+def _coalesced(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad``, coalesced first when it is a sparse half gradient (so the unscale check
+    sees the sums that the optimizer will apply, as torch.amp.GradScaler does)."""
+    grad = param.grad
+    if grad.is_sparse and grad.dtype in HALF_DTYPES and not grad.is_coalesced():
+        grad = param.grad = grad.coalesce()
+    return grad
 
 
 def _wrapped_step(optimizer, previous):
@@ -301,15 +337,23 @@ def _step(optimizer, closure=None):
             "checkpoint's scale, ampkit.load_state_dict({'loss_scaler0': {'loss_scale': scaler.get_scale(), "
             "'unskipped': 0}})."
         )
+    for ms in state.model_states:
+        if ms.dtype_error is not None:
+            raise RuntimeError(ms.dtype_error)
     state.session.finish_backward(state)
+    for check in state.unstepped:
+        check.consumed = True
+    state.unstepped = []
+    state.last_step_skipped = state.skip is not None
     if state.skip is not None:
         state.skip = None
-        state.clear_grads()
+        state.clear_grads(set_to_none=not state.keep_grads)
         return None
     result = state._step()
     state.copy_masters_to_model()
-    for m in state.owner:
-        m.grad = None
+    if not state.keep_grads:
+        for m in state.owner:
+            m.grad = None
     return result
 
 

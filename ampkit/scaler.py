@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from .opt_levels import FLOAT32_RANGE, FLT_MAX, FLT_TINY, positive_finite
+
 __all__ = ["LossScaler", "copy_unscale_and_check_", "unscale_and_check_"]
 
 
@@ -48,6 +50,8 @@ class LossScaler:
         hysteresis: int = 1,
     ):
         self.dynamic = loss_scale == "dynamic"
+        if not self.dynamic:
+            positive_finite("loss_scale", loss_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -58,6 +62,7 @@ class LossScaler:
         self.unskipped = 0
         self.consecutive_overflows = 0
         self.skipped_steps = 0
+        self.warned = set()  # one-time health warnings already given (health.py)
 
     def _clamp(self, scale: float) -> float:
         scale = min(self.max_loss_scale, scale)
@@ -85,6 +90,13 @@ class LossScaler:
             self.unskipped = 0
         return False
 
+    def snapshot(self) -> tuple:
+        """Everything :meth:`update` changes, for :meth:`restore`."""
+        return (self.scale, self.unskipped, self.consecutive_overflows, self.skipped_steps)
+
+    def restore(self, snapshot: tuple) -> None:
+        self.scale, self.unskipped, self.consecutive_overflows, self.skipped_steps = snapshot
+
     @property
     def at_floor(self) -> bool:
         """True when a dynamic scale can back off no further."""
@@ -98,7 +110,9 @@ class LossScaler:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["loss_scale"])
+        """Load :meth:`state_dict` output; a dynamic scale outside ``[min_loss_scale,
+        max_loss_scale]`` is clamped into it (the bounds of this run win)."""
+        self.scale = self._clamp(float(state["loss_scale"])) if self.dynamic else float(state["loss_scale"])
         self.unskipped = int(state["unskipped"])
         self.consecutive_overflows = int(state.get("consecutive_overflows", 0))
 
@@ -108,8 +122,9 @@ class LossScaler:
         if not isinstance(state, dict) or "loss_scale" not in state or "unskipped" not in state:
             raise ValueError(f"{name}: expected a dict with 'loss_scale' and 'unskipped', got {state!r}.")
         scale, unskipped = state["loss_scale"], state["unskipped"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"{name}['loss_scale']={scale!r}: expected a positive finite number.")
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                or not FLT_TINY <= scale <= FLT_MAX):
+            raise ValueError(f"{name}['loss_scale']={scale!r}: expected a positive finite number {FLOAT32_RANGE}.")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"{name}['unskipped']={unskipped!r}: expected a non-negative integer.")
         streak = state.get("consecutive_overflows", 0)
@@ -127,6 +142,13 @@ def _flag(found_inf: dict, device: torch.device) -> torch.Tensor:
     return flag
 
 
+def _checkable(grad: torch.Tensor) -> torch.Tensor:
+    """The dense real tensor that holds ``grad``'s numbers (sparse: its values, complex: a real view)."""
+    if grad.is_sparse:
+        grad = grad._values()
+    return torch.view_as_real(grad) if grad.is_complex() else grad
+
+
 def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
 
@@ -135,7 +157,7 @@ def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     (device, dtype) group; nothing synchronises with the host.
     """
     groups = {}
-    for g in grads:
+    for g in map(_checkable, grads):
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), group in groups.items():
         inv = torch.full((), inv_scale, dtype=torch.float32, device=device)

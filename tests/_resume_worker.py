@@ -43,7 +43,7 @@ def build(level, seed=BUILD_SEED):
     model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
     if opt._ampkit.session.scalers[0].dynamic:
         # 2**16 overflows float16 on this tiny model's first steps; start lower (dynamic still).
-        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 0}})
+        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 0}}, optimizer=opt)
     return model, opt
 
 
@@ -66,14 +66,14 @@ def train(model, opt, start, stop):
 
 def checkpoint(model, opt):
     """The documented recipe."""
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict()}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)}
 
 
 def resume(level, ckpt):
     model, opt = build(level, seed=BUILD_SEED + 1)  # a fresh model: different weights
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optimizer"])
-    ampkit.load_state_dict(ckpt["amp"])
+    ampkit.load_state_dict(ckpt["amp"], optimizer=opt)
     return model, opt
 
 

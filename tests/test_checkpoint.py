@@ -155,7 +155,7 @@ def test_load_after_initialize_then_zero_lr_step_keeps_the_loaded_weights(level,
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
     model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
     if current_session("t").scalers[0].dynamic:
-        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 0}})
+        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 0}}, optimizer=opt)
     worker.train(model, opt, 2, 3)  # some history (momentum) first; lr=0 changes nothing
     torch.manual_seed(6)
     source = Net()

@@ -24,7 +24,7 @@ def init(model, opt, level, **kw):
     reference loop is written for steps that are not skipped."""
     model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0, **kw)
     if current_session("init").scalers[0].dynamic:
-        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": SCALE[level], "unskipped": 0}})
+        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": SCALE[level], "unskipped": 0}}, optimizer=opt)
     return model, opt
 
 

@@ -17,8 +17,10 @@ RTOL = {"O0": 1e-5, "O1": 2e-2, "O2": 2e-2, "O3": 2e-2, "O4": 6e-2, "O5": 6e-2}
 
 
 def set_scales(*scales):
-    """Start each dynamic scaler at a scale that does not overflow float16 on these tiny nets."""
-    ampkit.load_state_dict({f"loss_scaler{i}": {"loss_scale": float(s), "unskipped": 0} for i, s in enumerate(scales)})
+    """Start each dynamic scaler (of the latest initialize) at a scale that does not overflow
+    float16 on these tiny nets."""
+    for scaler, s in zip(current_session("test").scalers, scales):
+        scaler.load_state_dict({"loss_scale": float(s), "unskipped": 0})
 
 
 def scalers():

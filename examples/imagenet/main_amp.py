@@ -85,7 +85,7 @@ def main() -> None:
 
     start = 0
     if args.resume:  # after initialize, as in Apex: model, optimizer and loss scalers
-        ckpt = torch.load(args.resume, map_location=device)
+        ckpt = torch.load(args.resume, map_location=device, weights_only=True)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         ampkit.load_state_dict(ckpt["amp"])

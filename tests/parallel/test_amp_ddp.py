@@ -96,7 +96,7 @@ def _snapshot(model, opt):
         "params": [p.detach().clone() for p in bare.parameters()],
         "masters": [m.detach().clone() for m in ampkit.master_params(opt)],
         "buffers": [b.clone() for b in bare.buffers()],
-        "amp": ampkit.state_dict(),
+        "amp": ampkit.state_dict(optimizer=opt),
     }
 
 
@@ -119,13 +119,13 @@ def _resume(rank, level, data, path):
     model, opt = _build(level, seed=rank, distributed=True)
     _train(model, opt, data, range(2))
     if rank == 0:
-        torch.save({"model": _bare(model).state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict()}, path)
+        torch.save({"model": _bare(model).state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)}, path)
     dist.barrier()
     model, opt = _build(level, seed=100 + rank, distributed=True)
     checkpoint = torch.load(path, weights_only=True)
     _bare(model).load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["optimizer"])
-    ampkit.load_state_dict(checkpoint["amp"])
+    ampkit.load_state_dict(checkpoint["amp"], optimizer=opt)
     _train(model, opt, data, range(2, STEPS))
     return _snapshot(model, opt)
 

@@ -9,6 +9,7 @@ reported). ``BAD_INPUTS.md`` is this table rendered for the README; the last tes
 it in sync (``AMPKIT_WRITE_BAD_INPUTS=1 python -m pytest tests/reliability/test_bad_inputs.py``
 rewrites it). The session summary prints "N bad inputs checked".
 """
+import argparse
 import dataclasses
 import logging
 import os
@@ -63,6 +64,35 @@ def with_foreign_param():
     opt = torch.optim.SGD(list(model.parameters()) + list(stranger.parameters()), lr=0.1)
     x, y = fixed_batch()
     return Env(model, opt, x, y, others=[stranger])
+
+
+def lbfgs():
+    model, _ = make()
+    x, y = fixed_batch()
+    return Env(model, torch.optim.LBFGS(model.parameters()), x, y)
+
+
+def nan_weight():
+    e = raw()
+    with torch.no_grad():
+        e.model.fc2.weight[0, 0] = NAN
+    return e
+
+
+def cast_after_initialize():
+    e = init("O2")
+    e.model.float()  # the half Linear layers back to float32
+    return e
+
+
+def sparse_embedding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 3))
+    x, y = fixed_batch()
+    e = Env(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    e.others, e.model = [model], make()[0]  # the table trains a Tiny afterwards
+    e.opt = torch.optim.SGD(e.model.parameters(), lr=0.1)
+    return e
 
 
 def on_meta():
@@ -163,6 +193,12 @@ def skipped_once(e):
     assert e.opt._ampkit.session.scalers[0].skipped_steps == 1
 
 
+def nested_scale_loss(e):
+    with ampkit.scale_loss(mse(e), e.opt):
+        with ampkit.scale_loss(mse(e), e.opt):
+            pass
+
+
 def amp_load(state):
     return lambda e: ampkit.load_state_dict(state)
 
@@ -247,6 +283,10 @@ TABLE = [
     Row("min_loss_scale", "2.**20 with max_loss_scale=2.**16", raw,
         initialize(min_loss_scale=2.0**20, max_loss_scale=2.0**16), ValueError,
         "initialize(min_loss_scale=1048576.0): must not exceed max_loss_scale"),
+    I("loss_scale", "1e39 (inf in float32)", ValueError, "initialize(loss_scale=1e+39): expected \"dynamic\", a positive finite number that float32 holds", call=initialize(loss_scale=1e39)),
+    I("loss_scale", "1e-39 (a float32 subnormal)", ValueError, "initialize(loss_scale=1e-39)", call=initialize(loss_scale=1e-39)),
+    I("min_loss_scale", "1e-40", ValueError, "initialize(min_loss_scale=1e-40): expected a positive finite number that float32 holds"),
+    I("max_loss_scale", "1e39", ValueError, "initialize(max_loss_scale=1e+39): expected a positive finite number that float32 holds"),
     I("loss_scale_hysteresis", "0", ValueError, "initialize(loss_scale_hysteresis=0)"),
     I("enabled", "'yes'", TypeError, "initialize(enabled='yes')"),
     I("ddp", "'yes'", TypeError, "initialize(ddp='yes')"),
@@ -269,6 +309,11 @@ TABLE = [
         RuntimeError, "already wrapped in torch.nn.parallel.distributed.DistributedDataParallel"),
     Row("models", "[model, model]", raw, lambda e: ampkit.initialize([e.model, e.model], e.opt, opt_level="O2"),
         ValueError, "the same model appears twice"),
+    Row("models", "a parameter holding NaN", nan_weight, initialize(opt_level="O2"),
+        ValueError, "parameter fc2.weight already holds inf/NaN values"),
+    Row("models", "nn.Embedding(sparse=True) at O2 (float16 on CPU)", sparse_embedding,
+        lambda e: ampkit.initialize(e.others[0], torch.optim.SGD(e.others[0].parameters(), lr=0.1), opt_level="O2"),
+        ValueError, "0.weight has sparse gradients (sparse=True), and PyTorch cannot add sparse torch.float16 gradients on cpu"),
     Row("models", "a model on the meta device", on_meta, initialize(opt_level="O1"),
         RuntimeError, "fc1.weight is on the meta device; materialize the model first"),
     Row("models", "model already initialized (second initialize)", init, initialize(opt_level="O2"),
@@ -282,6 +327,8 @@ TABLE = [
         TypeError, "initialize(optimizers=...): expected a torch.optim.Optimizer"),
     Row("optimizers", "holds parameters of no model passed", with_foreign_param, initialize(opt_level="O2"),
         ValueError, "holds 2 parameter(s) that belong to none of the models"),
+    Row("optimizers", "torch.optim.LBFGS (step needs a closure)", lbfgs, initialize(opt_level="O2"),
+        ValueError, "LBFGS.step(closure) needs a closure"),
     # scale_loss
     *[Row("loss_id", v, lambda: init("O2"), scaled_step(mse, loss_id=eval(v)), ValueError,
           f"scale_loss(loss_id={v}): expected an integer in [0, 0]", where="scale_loss")
@@ -305,6 +352,9 @@ TABLE = [
         "the optimizers come from different ampkit.initialize calls", where="scale_loss"),
     Row("loss_id", "1 while loss 0's delay_unscale window is open", open_window,
         lambda e: ampkit.scale_loss(mse(e), e.opt, loss_id=1).__enter__(), RuntimeError, "still holds gradients scaled by another loss's scaler", where="scale_loss"),
+    Row("optimizers", "the optimizer of an enclosing scale_loss block (nested)", lambda: init("O2"),
+        nested_scale_loss, RuntimeError, "is already inside an enclosing `with ampkit.scale_loss(...)` block",
+        where="scale_loss"),
     # optimizer
     Row("optimizer.step()", "before any backward, O2", lambda: init("O2", "adamw"), lambda e: e.opt.step(), None,
         "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
@@ -312,6 +362,8 @@ TABLE = [
         "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
     Row("closure", "lambda: loss", lambda: init("O2"), lambda e: e.opt.step(lambda: mse(e)), RuntimeError,
         "optimizer.step(closure): closures are not supported by ampkit", where="optimizer"),
+    Row("model", "model.float() after initialize (O2), then forward", cast_after_initialize,
+        lambda e: e.model(e.x), RuntimeError, "was cast after ampkit.initialize", where="model.forward"),
     Row("params", "a set", with_other, lambda e: e.opt.add_param_group({"params": set(e.others[0].parameters())}),
         TypeError, "add_param_group(params=set)", where="optimizer"),
     # state dicts and checkpoints
@@ -324,6 +376,16 @@ TABLE = [
         "unexpected key(s) ['scaler0']", where="ampkit.load_state_dict"),
     Row("state", "loss_scale=-1", lambda: init("O2"), amp_load({"loss_scaler0": _scaler(-1.0)}), ValueError,
         "loss_scaler0['loss_scale']=-1.0: expected a positive finite number", where="ampkit.load_state_dict"),
+    Row("state", "loss_scale=1e-300 (0 in float32)", lambda: init("O2"), amp_load({"loss_scaler0": _scaler(1e-300)}),
+        ValueError, "loss_scaler0['loss_scale']=1e-300: expected a positive finite number that float32 holds",
+        where="ampkit.load_state_dict"),
+    Row("optimizer", "not given, two training runs alive", two_sessions, amp_load({"loss_scaler0": _scaler()}),
+        RuntimeError, "training runs (initialize calls with optimizers) are alive", where="ampkit.load_state_dict"),
+    Row("optimizer", "not given, two training runs alive", two_sessions, lambda e: ampkit.state_dict(),
+        RuntimeError, "training runs (initialize calls with optimizers) are alive", where="ampkit.state_dict"),
+    Row("optimizer", "an optimizer that skipped initialize", lambda: init("O2"),
+        lambda e: ampkit.state_dict(optimizer=torch.optim.SGD(e.model.parameters(), lr=0.1)), ValueError,
+        "ampkit.state_dict(): optimizer=SGD did not go through ampkit.initialize", where="ampkit.state_dict"),
     Row("state", "consecutive_overflows='x' in loss_scaler1", lambda: init("O2", num_losses=2, loss_scale_hysteresis=2),
         amp_load({"loss_scaler0": _scaler(), "loss_scaler1": _scaler(consecutive_overflows="x")}), ValueError,
         "loss_scaler1['consecutive_overflows']='x'", where="ampkit.load_state_dict"),
@@ -336,6 +398,12 @@ TABLE = [
         "size mismatch for fc1.weight", where="model.load_state_dict"),
     Row("state_dict", "another optimizer's layout (2 groups)", lambda: init("O2", "adamw"), opt_from_other_layout,
         ValueError, "loaded state dict has a different number of parameter groups", where="optimizer.load_state_dict"),
+    Row("extra", "{'out': pathlib.Path(...)}", with_checkpoint("plain"),
+        lambda e: checkpoint.save(e.tmp / "new.ckpt", e.model, e.opt, extra={"out": Path("/tmp/run")}), TypeError,
+        "extra['out'] is a pathlib.PosixPath, which torch.load(..., weights_only=True)", where="ampkit.checkpoint.save"),
+    Row("extra", "{'args': argparse.Namespace(...)}", with_checkpoint("plain"),
+        lambda e: checkpoint.save(e.tmp / "new.ckpt", e.model, e.opt, extra={"args": argparse.Namespace(lr=0.1)}),
+        TypeError, "extra['args'] is a argparse.Namespace", where="ampkit.checkpoint.save"),
     Row("path", "a truncated file", with_checkpoint("truncated"),
         lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
         "truncated or corrupted?", where="ampkit.checkpoint.load"),
@@ -369,6 +437,15 @@ def _still_usable(e: Env):
     params = {id(p) for p in model.parameters()}
     if any(id(p) not in params for g in e.opt.param_groups for p in g["params"]) and not hasattr(e.opt, "_ampkit"):
         e.opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the foreign-parameter optimizer
+    if getattr(getattr(model, "_ampkit", None), "dtype_error", None):  # cast after initialize: start over
+        model, e.opt = make()
+        model, e.opt = ampkit.initialize(model, e.opt, opt_level="O2", verbosity=0)
+    if not all_finite(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.nan_to_num_(0.0)
+    if isinstance(e.opt, torch.optim.LBFGS):
+        e.opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if not hasattr(model, "_ampkit"):
         model, e.opt = ampkit.initialize(model, e.opt, opt_level="O2", verbosity=0)
     elif getattr(e, "window_open", False):

@@ -179,6 +179,70 @@ def test_failure_while_applying_rolls_everything_back(saved, target, monkeypatch
     assert_unchanged(before, _full(model, opt), "rolled-back load")
 
 
+@pytest.mark.parametrize("at", ["optimizer", "scaler"])
+def test_keyboard_interrupt_while_applying_rolls_everything_back(saved, target, monkeypatch, at):
+    """Ctrl-C after the model (and the optimizer) were loaded: all restored, and the
+    KeyboardInterrupt itself reaches the caller."""
+    path, _ = saved
+    model, opt, before = target
+    cls, name = (type(opt), "load_state_dict") if at == "optimizer" else (ampkit.LossScaler, "load_state_dict")
+    real, calls = getattr(cls, name), []
+
+    def interrupted(self, state_dict):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, state_dict)
+
+    monkeypatch.setattr(cls, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.load(path, model, opt)
+    monkeypatch.undo()
+    assert_unchanged(before, _full(model, opt), "interrupted load")
+
+
+def test_plain_extras_round_trip(tmp_path):
+    model, opt = _trained(steps=1)
+    extra = {"step": 7, "lr": 1e-3, "name": "run", "blob": b"\x00", "none": None, "flag": True, "z": 1j,
+             "nested": {"list": [1, 2.5, "a"], "tuple": (3, 4)}, "t": torch.arange(3), "dtype": torch.bfloat16,
+             "device": torch.device("cpu"), "shape": torch.Size([2, 3]), 5: "int key"}
+    checkpoint.save(tmp_path / "c.ckpt", model, opt, extra=extra)
+    back = checkpoint.load(tmp_path / "c.ckpt", model, opt)
+    assert back.keys() == extra.keys() and torch.equal(back.pop("t"), extra.pop("t")) and back == extra
+    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["extra"]["step"] == 7
+
+
+def _extras():
+    import argparse
+    import pathlib
+
+    out = [({"out": pathlib.Path("/tmp/run")}, r"extra\['out'\] is a pathlib\.\w*Path.*str\(path\)"),
+           ({"args": argparse.Namespace(lr=0.1)}, r"extra\['args'\] is a argparse\.Namespace.*vars\(args\)"),
+           ({"hist": [1, {2, 3}]}, r"extra\['hist'\]\[1\] is a builtins\.set.*sorted\(x\)"),
+           ({"cfg": {"when": __import__("datetime").date(2024, 1, 1)}}, r"extra\['cfg'\]\['when'\] is a datetime\.date")]
+    # numpy.float64 subclasses float: a float subclass stands in for it where numpy is absent
+    out.append(({"best": type("float64", (float,), {"item": lambda self: float(self)})(0.5)},
+                r"extra\['best'\] is a .*float64.*x\.item\(\)"))
+    try:
+        import numpy as np
+    except ImportError:  # numpy is not a dependency; its own scalars are checked where it is installed
+        return out
+    return out + [({"best": np.float64(0.5)}, r"extra\['best'\] is a numpy\.float64.*x\.item\(\)"),
+                  ({"epoch": np.int64(3)}, r"extra\['epoch'\] is a numpy\.int64")]
+
+
+@pytest.mark.parametrize("extra,message", _extras())
+def test_extras_torch_load_cannot_read_are_refused_before_writing(saved, extra, message):
+    path, _ = saved
+    old = path.read_bytes()
+    model, opt = _trained(steps=1)
+    with pytest.raises(TypeError, match=message + ".*Nothing was written"):
+        checkpoint.save(path, model, opt, extra=extra)
+    with pytest.raises(TypeError, match=message):
+        checkpoint.save(path.with_name("new.ckpt"), model, opt, extra=extra)
+    assert path.read_bytes() == old and sorted(p.name for p in path.parent.iterdir()) == ["good.ckpt"]
+
+
 def test_a_failed_save_keeps_the_previous_file(saved, monkeypatch):
     path, _ = saved
     model, opt = _trained(steps=2, seed=9)
