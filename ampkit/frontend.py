@@ -11,6 +11,7 @@ from . import opt_levels
 from .casting import cast_module_
 from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
+from .optimizer_wrappers import OptimizerLike
 from .scaler import LossScaler
 
 logger = logging.getLogger("ampkit")
@@ -239,8 +240,8 @@ def initialize(
         [] if models is None else models, "initialize(models=...)", (nn.Module,), "an nn.Module or a list of them"
     )
     opt_list, _ = _as_list(
-        [] if optimizers is None else optimizers, "initialize(optimizers=...)", (torch.optim.Optimizer,),
-        "a torch.optim.Optimizer or a list of them",
+        [] if optimizers is None else optimizers, "initialize(optimizers=...)", (torch.optim.Optimizer, OptimizerLike),
+        "a torch.optim.Optimizer (or a wrapper exposing its param_groups and state, such as LARC) or a list of them",
     )
     if not model_list:
         raise ValueError("initialize(models=...): expected at least one model.")
@@ -388,7 +389,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     window unscales them all). With ``delay_overflow_check=True`` the host sync that
     decides the skip is postponed to ``optimizer.step()``.
     """
-    opts, _ = _as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer,), "an optimizer or a list of optimizers")
+    opts, _ = _as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
     session = _session_of(opts)
     if not session.enabled:
         yield loss
