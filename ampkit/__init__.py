@@ -10,6 +10,7 @@ from .autocasting import (
     register_promote_function,
 )
 from . import checkpoint, normalization, parallel, surgery
+from .apex_state import _amp_state, removed_attribute as _removed_attribute
 from .errors import NoEffectWarning
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .opt_levels import OPT_LEVELS, Properties
@@ -23,3 +24,8 @@ __all__ = [
     "register_half_function", "register_float_function", "register_promote_function",
     "NoEffectWarning", "OPT_LEVELS", "Properties", "LossScaler",
 ]
+
+
+def __getattr__(name):
+    """Apex names ampkit does not provide (``amp.init()``, the handle API) fail with a migration hint."""
+    raise _removed_attribute("ampkit", name)
