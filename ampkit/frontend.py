@@ -328,6 +328,10 @@ def _prepare_model(model: nn.Module, props, cast_model_outputs) -> None:
 
         apply_low_precision_layernorm(model, props.half_dtype)
     autocast = props.patch_torch_functions
+    if autocast:
+        from .recurrent import float32_recurrent_layers
+
+        autocast = float32_recurrent_layers(model, device_type)
     output_dtype = cast_model_outputs or (torch.float32 if (cast is not None or autocast) else None)
     state = ModelState(
         model,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .apex_lists import in_apex_fp32_region
 from .casting import cast_tree
 from .opt_levels import HALF_DTYPES
 
@@ -143,7 +144,7 @@ class AmpModule:
             kwargs = cast_tree(kwargs, st.input_dtype)
         if st.autocast_dtype is not None:
             with torch.autocast(st.autocast_device, dtype=st.autocast_dtype):
-                out = super().forward(*args, **kwargs)
+                out = in_apex_fp32_region(super().forward, args, kwargs)
         else:
             out = super().forward(*args, **kwargs)
         if st.output_dtype is not None:
@@ -168,7 +169,7 @@ class AmpModule:
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
+        return (_rebuild, (type(self).__mro__[2],), self.__getstate__())  # the class's own state (RNNs drop weakrefs)
 
 
 _STANDARD_LOADERS = (nn.Module._load_from_state_dict, _BatchNorm._load_from_state_dict)
