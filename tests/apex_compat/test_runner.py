@@ -146,3 +146,19 @@ def test_imagenet_style_ddp_two_ranks_torchrun(tmp_path, monkeypatch):
     single = torch.load(tmp_path / "single.0")
     for a, b in zip(r0["params"], single["params"]):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+def test_repository_apex_example_runs_unchanged(tmp_path):
+    """examples/migrate_from_apex/train_apex.py, untouched, prints what its hand-migrated twin prints."""
+    folder = ROOT / "examples" / "migrate_from_apex"
+    cmd = [sys.executable, "-m", "ampkit.apex_compat", str(folder / "train_apex.py"), "--steps", "6", "--checkpoint", "a.pt"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr.count(NOTICE) == 1, proc.stderr
+    twin = subprocess.run([sys.executable, str(folder / "train_ampkit.py"), "--steps", "6", "--checkpoint", "b.pt"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert twin.returncode == 0, twin.stderr
+    assert proc.stdout == twin.stdout and "step    5  loss" in proc.stdout
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert a["amp"] == b["amp"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k])
