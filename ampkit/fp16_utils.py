@@ -132,10 +132,16 @@ def master_params_to_model_params(model_params, master_params, flat_master: bool
             model.copy_(master)
 
 
+def _check_scale(label: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{label}: expected a positive finite number, got {value!r}.")
+
+
 class LossScaler:
     """Apex's static loss scaler: ``loss_scale`` is ``scale`` for good."""
 
     def __init__(self, scale: float = 1.0):
+        _check_scale("LossScaler(scale=...)", scale)
         self._scaler = _scaler.LossScaler(float(scale))
 
     @property
@@ -182,6 +188,11 @@ class DynamicLossScaler(LossScaler):
     multiply by it after ``scale_window`` clean steps."""
 
     def __init__(self, init_scale: float = 2.0**32, scale_factor: float = 2.0, scale_window: int = 1000):
+        _check_scale("DynamicLossScaler(init_scale=...)", init_scale)
+        if isinstance(scale_factor, bool) or not isinstance(scale_factor, (int, float)) or not 1 < scale_factor < float("inf"):
+            raise ValueError(f"DynamicLossScaler(scale_factor={scale_factor!r}): expected a finite number > 1.")
+        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+            raise ValueError(f"DynamicLossScaler(scale_window={scale_window!r}): expected an integer >= 1.")
         self._scaler = _scaler.LossScaler(
             "dynamic", init_scale=init_scale, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
             growth_interval=scale_window, min_loss_scale=1.0, max_loss_scale=torch.finfo(torch.float32).max,
@@ -218,6 +229,8 @@ class FP16_Optimizer:
         if getattr(init_optimizer, "_ampkit", None) is not None:
             raise RuntimeError("FP16_Optimizer(init_optimizer=...): this optimizer already has ampkit master weights "
                                "(it went through ampkit.initialize or another FP16_Optimizer); wrap a bare optimizer.")
+        if not isinstance(dynamic_loss_scale, bool):
+            raise TypeError(f"FP16_Optimizer(dynamic_loss_scale={dynamic_loss_scale!r}): expected True or False.")
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("FP16_Optimizer(dynamic_loss_args=...): only valid with dynamic_loss_scale=True.")
         if dynamic_loss_scale:

@@ -214,6 +214,17 @@ def test_fp16_optimizer_bad_input():
         fu.FP16_Optimizer(model)
     with pytest.raises(ValueError, match="dynamic_loss_args"):
         fu.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_args={"init_scale": 2.0})
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="LossScaler\\(scale=...\\): expected a positive finite number, got 0"):
+        fu.FP16_Optimizer(inner, static_loss_scale=0)
+    assert inner.param_groups[0]["params"] == list(model.parameters()) and not hasattr(inner, "_ampkit")
+    with pytest.raises(ValueError, match="scale_factor"):
+        fu.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                          dynamic_loss_args={"scale_factor": 1.0})
+    with pytest.raises(ValueError, match="scale_window"):
+        fu.DynamicLossScaler(scale_window=0)
+    with pytest.raises(TypeError, match="dynamic_loss_scale"):
+        fu.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale="yes")
     opt = fu.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
     with pytest.raises(NotImplementedError, match="closure"):
         opt.step(lambda: 0)
