@@ -202,3 +202,31 @@ def test_refused_optimizers():
         ampkit.initialize(base_model(), fp16_opt, opt_level="O1", verbosity=0)
     with pytest.raises(TypeError, match="got object"):
         ampkit.initialize(base_model(), object(), opt_level="O1", verbosity=0)
+
+
+def test_module_surgery_through_larc():
+    """replace_module_classes takes a LARC as its optimizers; training goes on through the same masters."""
+    from ampkit.surgery import replace_module_classes
+
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 0.5
+
+    model = base_model()
+    opt = LARC(torch.optim.SGD(model.parameters(), lr=LR))
+    model, opt = ampkit.initialize(model, opt, opt_level="O5", verbosity=0)
+    masters = list(ampkit.master_params(opt))
+    assert replace_module_classes(model, {nn.Linear: lambda m, n: Scaled(m)}, optimizers=opt) == {nn.Linear: 2}
+    assert [id(m) for m in ampkit.master_params(opt)] == [id(m) for m in masters]
+    x, y = batch(0)
+    before = [m.detach().clone() for m in masters]
+    with ampkit.scale_loss(nn.functional.mse_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, ampkit.master_params(opt)))
+    for p, m in zip(model.parameters(), ampkit.master_params(opt)):
+        assert torch.equal(p, m.to(p.dtype))
