@@ -45,6 +45,11 @@ _NOT_PROVIDED = {  # what to use instead, for Apex packages ampkit does not stan
     "apex.mlp": "use torch.nn.Linear layers",
     "apex.RNN": "use torch.nn.LSTM / GRU / RNN",
     "apex.multi_tensor_apply": "use torch._foreach_* ops",
+    "apex.parallel.multiproc": "launch with torchrun --nproc-per-node N -m ampkit.apex_compat SCRIPT",
+}
+_MISSING_NAMES = {  # names inside a stood-in module that ampkit does not have, and what to use
+    "apex.parallel": {"Reducer": "call torch.distributed.all_reduce on the gradients yourself, or wrap the "
+                                 "model in apex.parallel.DistributedDataParallel (ampkit's)"},
 }
 
 
@@ -72,6 +77,13 @@ def _forwarding_module(name: str) -> types.ModuleType:
                 return importlib.import_module(f"apex.{attr}")
             raise AttributeError(f"module 'apex' has no attribute {attr!r} (ampkit stands in for apex.amp, "
                                  f"apex.parallel, apex.normalization and apex.fp16_utils)")
+        if attr == "ReduceOp" and name == "apex.parallel":
+            import torch.distributed
+
+            return torch.distributed.ReduceOp  # what Apex's was too
+        hint = _MISSING_NAMES.get(name, {}).get(attr)
+        if hint is not None:
+            raise AttributeError(f"{name}.{attr} is not provided by ampkit's Apex stand-in: {hint}.")
         return getattr(importlib.import_module(target_name), attr)
 
     def __dir__():
@@ -96,9 +108,10 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         if fullname in _ALIASES:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname in _PACKAGES)
-        top = ".".join(fullname.split(".")[:2])
-        hint = _NOT_PROVIDED.get(top, "ampkit stands in for apex.amp, apex.parallel, apex.normalization and "
-                                      "apex.fp16_utils only")
+        parts = fullname.split(".")
+        prefixes = (".".join(parts[:n]) for n in range(len(parts), 1, -1))
+        hint = next((_NOT_PROVIDED[p] for p in prefixes if p in _NOT_PROVIDED),
+                    "ampkit stands in for apex.amp, apex.parallel, apex.normalization and apex.fp16_utils only")
         raise ModuleNotFoundError(f"No module named {fullname!r} under ampkit's Apex stand-in: {hint}.", name=fullname)
 
     def create_module(self, spec):

@@ -53,10 +53,19 @@ def test_missing_parts_say_what_to_use(standin):
         import apex.optimizers  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="apex.amp, apex.parallel, apex.normalization and apex.fp16_utils only"):
         import apex.amp.handle  # noqa: F401
-    from apex import amp
+    with pytest.raises(ModuleNotFoundError, match="torchrun"):
+        import apex.parallel.multiproc  # noqa: F401
+    from apex import amp, parallel
 
     with pytest.raises(AttributeError, match="ampkit.initialize"):
         amp.init()
+    with pytest.raises(ImportError):
+        from apex.parallel import Reducer  # noqa: F401
+    with pytest.raises(AttributeError, match="all_reduce"):
+        parallel.Reducer
+    import torch.distributed
+
+    assert parallel.ReduceOp is torch.distributed.ReduceOp
 
 
 def test_uninstall_and_refusals(monkeypatch):
