@@ -27,6 +27,10 @@ def test_network_to_half_keeps_affine_bn_fp32():
     assert body[1].weight.dtype == torch.float32 and body[1].running_mean.dtype == torch.float32
     assert body[2].running_mean.dtype == torch.float16  # affine=False BatchNorm goes to half, as in Apex
     assert fu.tofp16()(torch.ones(2)).dtype == torch.float16
+    nested = nn.Sequential(nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3, affine=False))).half()
+    assert fu.BN_convert_float(nested) is nested
+    assert nested[0][0].weight.dtype == torch.float32 and nested[0][0].running_var.dtype == torch.float32
+    assert nested[0][1].running_var.dtype == torch.float16
 
 
 def test_convert_network_and_fp16model():

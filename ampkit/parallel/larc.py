@@ -33,12 +33,6 @@ class LARC:
         self.clip = clip
         self.eps = float(eps)
 
-    def __getstate__(self):
-        return self.optim.__getstate__()
-
-    def __setstate__(self, state):
-        self.optim.__setstate__(state)
-
     def __repr__(self):
         return f"LARC({self.optim!r}, trust_coefficient={self.trust_coefficient}, clip={self.clip}, eps={self.eps})"
 

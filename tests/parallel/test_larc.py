@@ -72,6 +72,10 @@ def test_larc_proxies_and_bad_input():
     assert opt.state_dict() == inner.state_dict() and "LARC(" in repr(opt)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(opt))
+    assert clone.trust_coefficient == opt.trust_coefficient and len(clone.param_groups) == 2
     with pytest.raises(TypeError, match="LARC\\(optimizer"):
         LARC(model)
     with pytest.raises(ValueError, match="trust_coefficient"):
