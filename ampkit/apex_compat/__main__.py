@@ -38,22 +38,21 @@ def main(argv) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    if module is None:
+        if not os.path.isfile(argv[0]):
+            print(f"python -m ampkit.apex_compat: no such script {argv[0]!r}", file=sys.stderr)
+            return 2
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` would, before looking for apex
     try:
         install(shadow)
     except ApexInstalledError as e:
         print(f"python -m ampkit.apex_compat: {e}", file=sys.stderr)
         return 2
-    if module is not None:
-        sys.argv = list(argv)
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
-    script = argv[0]
-    if not os.path.isfile(script):
-        print(f"python -m ampkit.apex_compat: no such script {script!r}", file=sys.stderr)
-        return 2
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
-    runpy.run_path(script, run_name="__main__")
+    if module is not None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(argv[0], run_name="__main__")
     return 0
 
 

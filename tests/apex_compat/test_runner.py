@@ -112,6 +112,13 @@ def test_installed_apex_is_never_shadowed_silently(tmp_path):
     assert runner(tmp_path, source, PYTHONPATH=path, AMPKIT_APEX="ampkit").stdout == "ampkit\n"
     real = runner(tmp_path, source, ok=False, PYTHONPATH=path, AMPKIT_APEX="apex")
     assert real.returncode == 0 and real.stdout == "real\n" and NOTICE not in real.stderr
+    beside = tmp_path / "project"  # an apex package next to the script counts too (python puts its folder first)
+    (beside / "apex").mkdir(parents=True)
+    (beside / "apex" / "__init__.py").write_text("REAL = True\n")
+    (beside / "train.py").write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "ampkit.apex_compat", str(beside / "train.py")], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "a real NVIDIA Apex is installed" in proc.stderr
 
 
 def test_runner_usage_and_missing_parts(tmp_path):
