@@ -177,9 +177,12 @@ class LossScaler:
     def load_state_dict(self, state) -> None:
         """From :meth:`state_dict` output or an Apex scaler object (anything with ``cur_scale``)."""
         if not isinstance(state, dict):
-            if not hasattr(state, "cur_scale"):
+            # An Apex scaler unpickled from an Apex-era checkpoint (through the apex stand-in it
+            # becomes one of these classes, with Apex's attributes in its __dict__).
+            attrs = getattr(state, "__dict__", {})
+            if "cur_scale" not in attrs:
                 raise TypeError(f"load_state_dict(loss_scaler): expected a dict or an Apex loss scaler, got {type(state).__name__}.")
-            state = {"cur_scale": state.cur_scale}
+            state = {"cur_scale": attrs["cur_scale"]}
         self._scaler.load_state_dict({"loss_scale": state["cur_scale"], "unskipped": state.get("unskipped", 0)})
 
 

@@ -236,3 +236,18 @@ def test_fp16_optimizer_bad_input():
         import pickle
 
         pickle.dumps(opt)
+
+
+def test_loads_an_apex_era_checkpoint():
+    """Apex pickled its scaler object into FP16_Optimizer.state_dict(); through the apex stand-in it
+    unpickles as ampkit's class carrying Apex's attributes. Its scale is taken over."""
+    model = _half_model()
+    opt = fu.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    sd = opt.state_dict()
+    apex_scaler = fu.DynamicLossScaler.__new__(fu.DynamicLossScaler)
+    apex_scaler.__dict__.update(cur_scale=512.0, cur_iter=10, last_overflow_iter=3, scale_factor=2.0, scale_window=1000)
+    sd["loss_scaler"] = apex_scaler
+    opt.load_state_dict(copy.deepcopy(sd))
+    assert opt.loss_scale == 512.0
+    with pytest.raises(TypeError, match="loss_scaler"):
+        opt.loss_scaler.load_state_dict(object())
