@@ -20,15 +20,20 @@ _EXPORTS = {
     "OPT_LEVELS": "opt_levels", "Properties": "opt_levels",
     "LossScaler": "scaler",
     "loss_scalers": "health", "step_was_skipped": "health",
-    "checkpoint": "", "normalization": "", "parallel": "", "surgery": "",
+    "checkpoint": "", "normalization": "", "parallel": "", "surgery": "", "fp16_utils": "",
+    "_amp_state": "apex_state",  # Apex's amp._amp_state, read-only
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *(name for name in _EXPORTS if not name.startswith("_"))]
 
 
 def __getattr__(name):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'ampkit' has no attribute {name!r}")
+        if name.startswith("__"):
+            raise AttributeError(f"module 'ampkit' has no attribute {name!r}")
+        from .apex_state import removed_attribute  # Apex names (amp.init, ...) get a migration hint
+
+        raise removed_attribute("ampkit", name)
     module = _EXPORTS[name]
     value = importlib.import_module(f".{module or name}", __name__)
     if module:

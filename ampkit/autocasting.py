@@ -45,7 +45,9 @@ def autocast(enabled: bool = True):
     if not (enabled and session.enabled and props.patch_torch_functions):
         yield
         return
-    with torch.autocast(session.device_type, dtype=props.half_dtype):
+    from .apex_lists import apex_fp32_region
+
+    with torch.autocast(session.device_type, dtype=props.half_dtype), apex_fp32_region():
         yield
 
 

@@ -17,6 +17,7 @@ from .errors import NoEffectWarning
 from .logs import is_main_process, logger
 from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
+from .optimizer_wrappers import OptimizerLike
 from .scaler import LossScaler
 
 _current = None  # the Session of the latest initialize()
@@ -305,8 +306,8 @@ def initialize(
         [] if models is None else models, "initialize(models=...)", (nn.Module,), "an nn.Module or a list of them"
     )
     opt_list, _ = _as_list(
-        [] if optimizers is None else optimizers, "initialize(optimizers=...)", (torch.optim.Optimizer,),
-        "a torch.optim.Optimizer or a list of them",
+        [] if optimizers is None else optimizers, "initialize(optimizers=...)", (torch.optim.Optimizer, OptimizerLike),
+        "a torch.optim.Optimizer (or a wrapper exposing its param_groups and state, such as LARC) or a list of them",
     )
     if not model_list:
         raise ValueError("initialize(models=...): expected at least one model.")
@@ -399,6 +400,10 @@ def _prepare_model(model: nn.Module, props, cast_model_outputs) -> None:
 
         apply_low_precision_layernorm(model, props.half_dtype)
     autocast = props.patch_torch_functions
+    if autocast:
+        from .recurrent import float32_recurrent_layers
+
+        autocast = float32_recurrent_layers(model, device_type)
     output_dtype = cast_model_outputs or (torch.float32 if (cast is not None or autocast) else None)
     state = ModelState(
         model,
@@ -487,7 +492,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         delay_overflow_check: postpone the host sync that decides the skip to
             ``optimizer.step()``.
     """
-    opts, _ = _as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer,), "an optimizer or a list of optimizers")
+    opts, _ = _as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
     session = _session_of(opts)
     if not session.enabled:
         yield loss

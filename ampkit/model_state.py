@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .apex_lists import in_apex_fp32_region
 from .casting import cast_tree
 from .copies import make_standalone, sync, sync_one
 from .opt_levels import HALF_DTYPES
@@ -150,7 +151,7 @@ class AmpModule:
             kwargs = cast_tree(kwargs, st.input_dtype)
         if st.autocast_dtype is not None:
             with torch.autocast(st.autocast_device, dtype=st.autocast_dtype):
-                out = super().forward(*args, **kwargs)
+                out = in_apex_fp32_region(super().forward, args, kwargs)
         else:
             out = super().forward(*args, **kwargs)
         if st.output_dtype is not None:
@@ -203,7 +204,7 @@ class AmpModule:
         return new
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (type(self).__mro__[2],), self.__dict__.copy())
+        return (_rebuild, (type(self).__mro__[2],), self.__getstate__())  # the class's own state (RNNs drop weakrefs)
 
 
 def _dtypes(model: nn.Module) -> Dict[str, torch.dtype]:

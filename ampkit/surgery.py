@@ -4,15 +4,17 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .optimizer_wrappers import is_optimizer_like
+
 Policy = Callable[[nn.Module, str], Optional[nn.Module]]
 
 
 def _optimizer_list(optimizers) -> List[torch.optim.Optimizer]:
     if optimizers is None:
         return []
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer_like(optimizers):
         return [optimizers]
-    if isinstance(optimizers, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+    if isinstance(optimizers, (list, tuple)) and all(is_optimizer_like(o) for o in optimizers):
         return list(optimizers)
     raise TypeError(f"replace_module_classes(optimizers=...): expected an optimizer or a list of them, got {type(optimizers).__name__}.")
 
