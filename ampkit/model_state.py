@@ -34,6 +34,7 @@ class ModelState:
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
+        self.sharded = False  # initialize(fsdp=True) sharded the model
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -138,6 +139,10 @@ class AmpModule:
 
     def forward(self, *args, **kwargs):
         st: ModelState = self._ampkit
+        if type(self).__mro__[1] is not AmpModule and not st.sharded:  # class swapped after initialize (fully_shard?)
+            from .parallel.fsdp import check_not_resharded
+
+            check_not_resharded(self)
         if st.input_dtype is not None:
             args = cast_tree(args, st.input_dtype)
             kwargs = cast_tree(kwargs, st.input_dtype)
