@@ -238,7 +238,8 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def full_state_dict(model: nn.Module) -> dict:
-    """The whole model as one float32 state dict on CPU, on every rank (collective), for export."""
+    """For export: the whole model as one float32 state dict on CPU, on rank 0 (an empty dict on
+    the other ranks). Collective: call on every rank."""
     _, sd = _dcp()
     full = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.float() if torch.is_tensor(v) and v.dtype in HALF_DTYPES else v for k, v in full.items()}
