@@ -18,7 +18,7 @@ MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps.
 import dataclasses
 import sys
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ class Plan:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
+        self.half_model = half is not None
         self.masters = half is not None and bool(props.master_weights)
         self.keep_bn = half is not None and bool(props.keep_batchnorm_fp32)
         self.blocks = tuple(kwargs.get("blocks", ()))
@@ -87,9 +88,7 @@ class Plan:
         where = {id(p): (m, n) for m in model.modules() for n, p in m._parameters.items() if p is not None}
         before = {id(p): p for p in model.parameters()}
         _broadcast_from_first_rank(model, self.shard_kwargs.get("mesh"))
-        half_model = self.masters or any(
-            p.dtype in HALF_DTYPES for p in model.parameters())
-        if half_model:
+        if self.half_model:
             for m in model.modules():
                 if _keeps_float32(m, self.keep_bn) and any(p is not None for p in m._parameters.values()):
                     fully_shard(m, mp_policy=self.float32_policy, **self.shard_kwargs)
