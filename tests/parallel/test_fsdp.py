@@ -25,6 +25,9 @@ STEPS, POISON_STEP, SAVE_AT = 4, 2, 2
 TOLERANCE = {"fp32": dict(rtol=1e-5, atol=1e-6), "fp16": dict(rtol=2e-3, atol=2e-3), "bf16": dict(rtol=1e-2, atol=1e-2)}
 COMPUTE = {"O0": "fp32", "O1": "fp16", "O2": "fp16", "O3": "fp16", "O4": "bf16", "O5": "bf16"}
 CHECKPOINT_LEVELS = ["O0", "O2", "O3", "O5"]
+# Accumulation at O0 checks the arithmetic exactly; bf16 is left out there because 2-sample
+# micro-batches through BatchNorm amplify bf16 rounding past its tolerance (O4 as much as O5).
+ACCUMULATE_CLIP = [("O0", "accumulate"), ("O2", "accumulate"), ("O2", "clip"), ("O5", "clip")]
 
 
 class Block(nn.Module):
@@ -47,7 +50,7 @@ def global_batches(n=8):
     return [(torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)) for _ in range(STEPS)]
 
 
-def _build(level, seed, distributed, adam=False, **kwargs):
+def _build(level, seed, distributed, adam=False, fsdp_kwargs=None):
     net = make_net(seed)
     if distributed:
         net = convert_syncbn_model(net)
@@ -55,25 +58,37 @@ def _build(level, seed, distributed, adam=False, **kwargs):
     # Half-batch losses give each rank twice the single process's per-sample gradient in
     # float16 backward: a scale of 2**16 would overflow there first; cap it.
     return ampkit.initialize(net, opt, opt_level=level, verbosity=0, max_loss_scale=2.0**10,
-                             fsdp=distributed, fsdp_kwargs={"blocks": [Block]} if distributed else None, **kwargs)
+                             fsdp=distributed, fsdp_kwargs=(fsdp_kwargs or {"blocks": [Block]}) if distributed else None)
 
 
-def _train(model, opt, steps, rank=None, poison_at=None):
+def _micro(t, rank, i):
+    """Micro-batch ``i`` of 2: on a rank, half of its shard; in the single process, the
+    concatenation of both ranks' micro-batch ``i`` (the same samples meet in SyncBatchNorm)."""
+    if rank is not None:
+        return t.chunk(2)[rank].chunk(2)[i]
+    return torch.cat([t.chunk(2)[r].chunk(2)[i] for r in (0, 1)])
+
+
+def _train(model, opt, steps, rank=None, poison_at=None, micro=1, clip=None):
     """Losses of ``steps`` (global means), and whether the poisoned step left weights and
-    optimizer state untouched."""
+    optimizer state untouched. ``micro=2`` accumulates two micro-batches per step (plain
+    repeated ``scale_loss``); ``clip`` clips the gradient norm before each step."""
     losses, untouched = [], None
     for step in steps:
-        x, y = global_batches()[step]
-        if rank is not None:
-            x, y = x.chunk(2)[rank], y.chunk(2)[rank]
         opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        with ampkit.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-            if step == poison_at and rank in (None, 1):  # one rank only
-                grad = model[0].weight.grad
-                with torch.no_grad():
-                    (grad.to_local() if rank is not None else grad).view(-1)[0] = float("inf")
+        for i in range(micro):
+            x, y = (_micro(t, rank, i) if micro == 2 else t if rank is None else t.chunk(2)[rank]
+                    for t in global_batches()[step])
+            loss = F.mse_loss(model(x), y)
+            with ampkit.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                if step == poison_at and rank in (None, 1):  # one rank only
+                    grad = model[0].weight.grad
+                    with torch.no_grad():
+                        (grad.to_local() if rank is not None else grad).view(-1)[0] = float("inf")
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(ampkit.master_params(opt)), clip)
+            losses.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         before = _local_state(opt) if step == poison_at else None
         opt.step()
         if before is not None:
@@ -177,6 +192,17 @@ def _worker(rank, world_size, checkpoint_dir):
         out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
         model, opt = _build(level, seed=rank, distributed=True)
         out[f"{level}/inf"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=POISON_STEP))
+    for level, how in ACCUMULATE_CLIP:
+        model, opt = _build(level, seed=rank, distributed=True)
+        kwargs = {"micro": 2} if how == "accumulate" else {"clip": 0.5}
+        out[f"{level}/{how}"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, **kwargs))
+    # fully_shard's own options pass through: the same mesh written out, parameters kept
+    # gathered after forward; the arithmetic is unchanged.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = {"blocks": [Block], "mesh": init_device_mesh("cpu", (2,)), "reshard_after_forward": False}
+    model, opt = _build("O5", seed=rank, distributed=True, fsdp_kwargs=kwargs)
+    out["O5/options"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
     # The user's own fully_shard, then initialize at a level that casts nothing: that order works.
     net = convert_syncbn_model(make_net(0))
     for block in (net[1], net[2]):
@@ -221,9 +247,9 @@ def resumed(two_ranks, checkpoint_dir):
     return run(_resume_worker, 2, checkpoint_dir, timeout=900, pg_timeout=600)
 
 
-def _reference(level, poison_at=None):
+def _reference(level, **kwargs):
     model, opt = _build(level, seed=0, distributed=False)
-    return _outcome(model, opt, *_train(model, opt, range(STEPS), poison_at=poison_at))
+    return _outcome(model, opt, *_train(model, opt, range(STEPS), **kwargs))
 
 
 def _assert_ranks_agree(ranks, key):
@@ -261,6 +287,22 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(two_ranks, level):
         # dynamic (O1/O2) backs off from the cap 2**10; static scales stay
         assert got["amp"]["loss_scaler0"]["loss_scale"] == {"O1": 512.0, "O2": 512.0}.get(level, 1.0)
     _assert_matches(two_ranks[0][f"{level}/inf"], _reference(level, poison_at=POISON_STEP), level)
+
+
+@pytest.mark.parametrize("level, how", ACCUMULATE_CLIP)
+def test_accumulation_and_clipping_match_single_process(two_ranks, level, how):
+    """Two plain scale_loss calls per step; clip_grad_norm_ on master_params (the sharded
+    gradients: its "losses" here are the total norms)."""
+    _assert_ranks_agree(two_ranks, f"{level}/{how}")
+    want = _reference(level, **({"micro": 2} if how == "accumulate" else {"clip": 0.5}))
+    _assert_matches(two_ranks[0][f"{level}/{how}"], want, level)
+
+
+def test_fully_shard_options_pass_through(two_ranks):
+    for rank in two_ranks:
+        got, want = rank["O5/options"], rank["O5/train"]
+        assert got["losses"] == want["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(got["masters"], want["masters"]))
 
 
 def test_initialize_after_users_fully_shard_works_where_nothing_is_cast(two_ranks):
