@@ -27,7 +27,9 @@ COMPUTE = {"O0": "fp32", "O1": "fp16", "O2": "fp16", "O3": "fp16", "O4": "bf16",
 CHECKPOINT_LEVELS = ["O0", "O2", "O3", "O5"]
 # Accumulation at O0 checks the arithmetic exactly; bf16 is left out there because 2-sample
 # micro-batches through BatchNorm amplify bf16 rounding past its tolerance (O4 as much as O5).
-ACCUMULATE_CLIP = [("O0", "accumulate"), ("O2", "accumulate"), ("O2", "clip"), ("O5", "clip")]
+ACCUMULATE_CLIP = [("O0", "accumulate"), ("O2", "accumulate"), ("O0", "delay_unscale"), ("O2", "delay_unscale"),
+                   ("O2", "clip"), ("O5", "clip")]
+HOW = {"accumulate": {"micro": 2}, "delay_unscale": {"micro": 2, "delay": True}, "clip": {"clip": 0.5}}
 
 
 class Block(nn.Module):
@@ -69,18 +71,22 @@ def _micro(t, rank, i):
     return torch.cat([t.chunk(2)[r].chunk(2)[i] for r in (0, 1)])
 
 
-def _train(model, opt, steps, rank=None, poison_at=None, micro=1, clip=None):
+def _train(model, opt, steps, rank=None, poison_at=None, micro=1, clip=None, delay=False):
     """Losses of ``steps`` (global means), and whether the poisoned step left weights and
     optimizer state untouched. ``micro=2`` accumulates two micro-batches per step (plain
-    repeated ``scale_loss``); ``clip`` clips the gradient norm before each step."""
+    repeated ``scale_loss``; with ``delay``, the first with ``delay_unscale=True`` and, on FSDP,
+    without gradient reduction); ``clip`` clips the gradient norm before each step."""
     losses, untouched = [], None
     for step in steps:
         opt.zero_grad()
         for i in range(micro):
             x, y = (_micro(t, rank, i) if micro == 2 else t if rank is None else t.chunk(2)[rank]
                     for t in global_batches()[step])
+            first = delay and i == 0
+            if rank is not None and delay:
+                model.set_requires_gradient_sync(not first)  # FSDP2's no_sync
             loss = F.mse_loss(model(x), y)
-            with ampkit.scale_loss(loss, opt) as scaled:
+            with ampkit.scale_loss(loss, opt, delay_unscale=first) as scaled:
                 scaled.backward()
                 if step == poison_at and rank in (None, 1):  # one rank only
                     grad = model[0].weight.grad
@@ -194,8 +200,7 @@ def _worker(rank, world_size, checkpoint_dir):
         out[f"{level}/inf"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=POISON_STEP))
     for level, how in ACCUMULATE_CLIP:
         model, opt = _build(level, seed=rank, distributed=True)
-        kwargs = {"micro": 2} if how == "accumulate" else {"clip": 0.5}
-        out[f"{level}/{how}"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, **kwargs))
+        out[f"{level}/{how}"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, **HOW[how]))
     # fully_shard's own options pass through: the same mesh written out, parameters kept
     # gathered after forward; the arithmetic is unchanged.
     from torch.distributed.device_mesh import init_device_mesh
@@ -291,10 +296,11 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(two_ranks, level):
 
 @pytest.mark.parametrize("level, how", ACCUMULATE_CLIP)
 def test_accumulation_and_clipping_match_single_process(two_ranks, level, how):
-    """Two plain scale_loss calls per step; clip_grad_norm_ on master_params (the sharded
-    gradients: its "losses" here are the total norms)."""
+    """Two scale_loss calls per step (plain, or the first with delay_unscale=True and FSDP's
+    gradient sync off); clip_grad_norm_ on master_params (the sharded gradients: its "losses"
+    here are the total norms)."""
     _assert_ranks_agree(two_ranks, f"{level}/{how}")
-    want = _reference(level, **({"micro": 2} if how == "accumulate" else {"clip": 0.5}))
+    want = _reference(level, **HOW[how])
     _assert_matches(two_ranks[0][f"{level}/{how}"], want, level)
 
 
