@@ -34,7 +34,9 @@ class ModelState:
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
-        self.sharded = False  # initialize(fsdp=True) sharded the model
+        # FSDP2 already manages it (the user's fully_shard before initialize), or
+        # initialize(fsdp=True) will: set there.
+        self.sharded = bool(model.__dict__.get("_is_fsdp_managed_module"))
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -139,7 +141,7 @@ class AmpModule:
 
     def forward(self, *args, **kwargs):
         st: ModelState = self._ampkit
-        if type(self).__mro__[1] is not AmpModule and not st.sharded:  # class swapped after initialize (fully_shard?)
+        if not st.sharded and (type(self).__mro__[1] is not AmpModule or "_is_fsdp_managed_module" in self.__dict__):
             from .parallel.fsdp import check_not_resharded
 
             check_not_resharded(self)

@@ -194,9 +194,11 @@ def adopt_sharded(optimizer: torch.optim.Optimizer, sharded: Dict[torch.Tensor, 
 
 
 def check_not_resharded(module: nn.Module) -> None:
-    """Called when an initialized model's class was swapped again: ``fully_shard`` after ``initialize`` is an error."""
+    """Raise if ``fully_shard`` was applied after ``initialize``, to the model or to a module
+    around it (a DDP wrapper); called from the model's forward when its class was swapped
+    again or FSDP2 marked it as managed."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+    if fsdp is not None and (isinstance(module, fsdp.FSDPModule) or module.__dict__.get("_is_fsdp_managed_module")):
         raise RuntimeError(
             f"{type(module).__name__}: fully_shard was applied after ampkit.initialize; its optimizer still holds "
             f"the parameters from before sharding, so nothing would train. Pass the unsharded model to "

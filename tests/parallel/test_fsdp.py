@@ -186,6 +186,14 @@ def _wrong_orders(rank):
         kind, message, _ = _refused(lambda: net(torch.randn(4, 4)), net, opt)
         untouched = not opt.state and all(q is p and torch.equal(p, v) for (p, v), q in zip(before, ampkit.master_params(opt)))
         out[f"fully_shard_after_initialize_{level}"] = (kind, message, untouched)
+    # fully_shard on what initialize(..., ddp=True) returned: the same, caught in the inner forward
+    net, opt = fresh()
+    model, opt = ampkit.initialize(net, opt, opt_level="O1", verbosity=0, ddp=True)
+    fully_shard(model)
+    before = [(p, p.detach().clone()) for p in ampkit.master_params(opt)]
+    kind, message, _ = _refused(lambda: model(torch.randn(4, 4)), net, opt)
+    untouched = not opt.state and all(q is p and torch.equal(p, v) for (p, v), q in zip(before, ampkit.master_params(opt)))
+    out["fully_shard_on_ddp_model"] = (kind, message, untouched)
     return out
 
 
@@ -326,6 +334,7 @@ EXPECTED_ERRORS = {
     "sharded_then_O5": ("RuntimeError", "at O5 the model is cast to half, which FSDP2 would undo"),
     "fully_shard_after_initialize_O1": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
     "fully_shard_after_initialize_O4": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
+    "fully_shard_on_ddp_model": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
 }
 
 
