@@ -5,6 +5,8 @@ DCP checkpoints; a second launch (new processes) resumes them. The single-proces
 is the same level without FSDP on the concatenated batch (plain BatchNorm there,
 SyncBatchNorm in the sharded model).
 """
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -186,6 +188,12 @@ def _wrong_orders(rank):
         kind, message, _ = _refused(lambda: net(torch.randn(4, 4)), net, opt)
         untouched = not opt.state and all(q is p and torch.equal(p, v) for (p, v), q in zip(before, ampkit.master_params(opt)))
         out[f"fully_shard_after_initialize_{level}"] = (kind, message, untouched)
+    # ampkit.checkpoint's one-file save/load on a sharded model
+    net, opt = fresh()
+    model, opt = ampkit.initialize(net, opt, opt_level="O5", verbosity=0, fsdp=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out["checkpoint_save"] = _refused(lambda: ampkit.checkpoint.save(f"{tmp}/c.pt", model, opt), model, opt)
+        out["checkpoint_load"] = _refused(lambda: ampkit.checkpoint.load(f"{tmp}/c.pt", model, opt), model, opt)
     # fully_shard on what initialize(..., ddp=True) returned: the same, caught in the inner forward
     net, opt = fresh()
     model, opt = ampkit.initialize(net, opt, opt_level="O1", verbosity=0, ddp=True)
@@ -335,6 +343,8 @@ EXPECTED_ERRORS = {
     "fully_shard_after_initialize_O1": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
     "fully_shard_after_initialize_O4": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
     "fully_shard_on_ddp_model": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
+    "checkpoint_save": ("ValueError", "Use ampkit.parallel.save_sharded("),
+    "checkpoint_load": ("ValueError", "Use ampkit.parallel.load_sharded("),
 }
 
 
