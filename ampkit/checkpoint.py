@@ -49,6 +49,17 @@ def _scalers(optimizer, caller: str):
     return state.session.scalers
 
 
+def _refuse_sharded(model: nn.Module, caller: str) -> None:
+    from .parallel.fsdp import is_sharded
+
+    if is_sharded(model):
+        raise ValueError(
+            f"ampkit.checkpoint.{caller}(model=...): the model is sharded with FSDP2 (fully_shard); one file "
+            f"per run cannot hold every rank's shards. Use ampkit.parallel.{caller}_sharded(checkpoint_dir, "
+            f"model, optimizer) (torch.distributed.checkpoint, each rank writes its shards)."
+        )
+
+
 # --- digest -------------------------------------------------------------------------------
 
 def _feed(h, obj) -> None:
@@ -126,6 +137,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
     if extra is not None and type(extra) is not dict:
         raise TypeError(f"ampkit.checkpoint.save(extra=...): expected a dict or None, got {type(extra).__name__}.")
     _check_extra(extra, "extra")
+    _refuse_sharded(model, "save")
     scalers = _scalers(optimizer, "save")
     payload = {
         "model": model.state_dict(),
@@ -260,6 +272,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     Everything is read and checked before anything is changed; on any error nothing is.
     """
     where = f"ampkit.checkpoint.load({os.fspath(path)!r})"
+    _refuse_sharded(model, "load")
     scalers = _scalers(optimizer, "load")
     payload = _read(path)
     _check_model(where, model, payload["model"])

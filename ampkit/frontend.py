@@ -257,6 +257,8 @@ def initialize(
     loss_scale_hysteresis: int = 1,
     ddp: bool = False,
     ddp_kwargs: Optional[dict] = None,
+    fsdp: bool = False,
+    fsdp_kwargs: Optional[dict] = None,
 ):
     """Prepare models and optimizers for mixed precision at ``opt_level`` (see ``ampkit levels``).
 
@@ -347,9 +349,14 @@ def initialize(
             "torch.distributed.init_process_group(...) first (torchrun sets up the environment)."
         )
     _check_models(model_list)
+    from .parallel import fsdp as fsdp_
+
+    sharding = fsdp_.plan(model_list, opt_list, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs)
+    if sharding is not None:
+        notes = notes + sharding.notes
 
     cast_to_half = props.cast_model_type in opt_levels.HALF_DTYPES
-    use_masters = bool(props.master_weights) and cast_to_half
+    use_masters = bool(props.master_weights) and cast_to_half and sharding is None  # else FSDP's shards are the masters
     device_type = _device_type(model_list[0])
     session = Session(True, props, verbosity=verbosity, device_type=device_type)
     _check_optimizers(opt_list, model_list, session, use_masters)
@@ -361,7 +368,11 @@ def initialize(
     # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).
     originals = {p: p.data for m in model_list for p in m.parameters()} if use_masters else {}
     for m in model_list:
-        _prepare_model(m, props, cast_model_outputs)
+        _prepare_model(m, props if sharding is None else sharding.model_props, cast_model_outputs)
+        if sharding is not None:
+            sharded = sharding.shard(m)
+            for opt in opt_list:
+                fsdp_.adopt_sharded(opt, sharded)
     model_states = [m._ampkit for m in model_list]
     session.scalers = [
         LossScaler(props.loss_scale, min_loss_scale=min_scale, max_loss_scale=max_scale, hysteresis=loss_scale_hysteresis)

@@ -40,6 +40,9 @@ class ModelState:
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
         self.synced = None  # on copies only: see copies.py
+        # FSDP2 already manages it (the user's fully_shard before initialize), or
+        # initialize(fsdp=True) will: set there.
+        self.sharded = bool(model.__dict__.get("_is_fsdp_managed_module"))
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -146,6 +149,10 @@ class AmpModule:
             raise RuntimeError(st.dtype_error)
         if st.synced is not None:
             sync(st)
+        if not st.sharded and (type(self).__mro__[1] is not AmpModule or "_is_fsdp_managed_module" in self.__dict__):
+            from .parallel.fsdp import check_not_resharded
+
+            check_not_resharded(self)
         if st.input_dtype is not None:
             args = cast_tree(args, st.input_dtype)
             kwargs = cast_tree(kwargs, st.input_dtype)

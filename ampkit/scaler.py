@@ -5,6 +5,7 @@ decision whether gradients overflowed is made elsewhere, in one fused check with
 host synchronisation, and handed to :meth:`LossScaler.update`.
 """
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -149,6 +150,17 @@ def _checkable(grad: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(grad) if grad.is_complex() else grad
 
 
+def _local_shards(tensors) -> list:
+    """Each DTensor (an FSDP2 gradient) as this rank's shard; other tensors as they are. The
+    found-inf flags are agreed across ranks afterwards."""
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: there are no DTensors
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None:
+        return tensors
+    with torch.no_grad():
+        return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+
 def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
 
@@ -157,7 +169,7 @@ def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     (device, dtype) group; nothing synchronises with the host.
     """
     groups = {}
-    for g in map(_checkable, grads):
+    for g in map(_checkable, _local_shards(grads)):
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), group in groups.items():
         inv = torch.full((), inv_scale, dtype=torch.float32, device=device)

@@ -1,0 +1,246 @@
+"""Opt levels on FSDP2 (``torch.distributed.fsdp.fully_shard``): ``initialize(..., fsdp=True)``.
+
+Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
+
+* O2 / O5 (half model with fp32 masters): ``MixedPrecisionPolicy(param_dtype=half,
+  reduce_dtype=float32)``. The sharded fp32 parameters are the master weights (no second
+  copy): the optimizer steps on them, FSDP all-gathers them in half for compute and
+  reduce-scatters gradients in float32. BatchNorm (``keep_batchnorm_fp32``) and the Mixed*
+  norms get a ``fully_shard`` group of their own that stays float32 and takes half input.
+* O3 (half model, no masters): the model is cast to half and its half parameters are
+  sharded; gradients are reduce-scattered in float32 (as ``ddp=True`` all-reduces in fp32).
+* O1 / O4: fp32 sharded parameters, ``torch.autocast`` inside the model's forward.
+* O0: plain FSDP2.
+
+Loss scaling is ampkit's: each rank checks its gradient shards and the found-inf flag is
+MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps.
+"""
+import dataclasses
+import sys
+import warnings
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..casting import is_batchnorm
+from ..errors import NoEffectWarning
+from ..opt_levels import HALF_DTYPES
+
+__all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
+
+FSDP_KWARGS = ("blocks", "mesh", "reshard_after_forward")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``fully_shard`` was applied to ``model`` or to one of its submodules."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def _keeps_float32(module: nn.Module, keep_bn: bool) -> bool:
+    """Modules whose parameters stay float32 in a half model (as ``cast_module_`` decides)."""
+    return (keep_bn and is_batchnorm(module)) or bool(getattr(module, "keeps_float32_params", False))
+
+
+class Plan:
+    """A checked ``initialize(..., fsdp=True)``: how each model is sharded at its opt level."""
+
+    def __init__(self, props, kwargs: dict, output_dtype: Optional[torch.dtype]):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
+        self.half_model = half is not None
+        self.masters = half is not None and bool(props.master_weights)
+        self.keep_bn = half is not None and bool(props.keep_batchnorm_fp32)
+        self.blocks = tuple(kwargs.get("blocks", ()))
+        self.shard_kwargs = {k: v for k, v in kwargs.items() if k != "blocks"}
+        # The model as ``_prepare_model`` should see it: with FSDP's masters nothing is cast
+        # (FSDP casts its all-gathered copy, and the inputs and outputs).
+        self.model_props = props
+        if self.masters:
+            self.model_props = dataclasses.replace(props, cast_model_type=None, keep_batchnorm_fp32=None)
+        self.block_policy = MixedPrecisionPolicy(
+            param_dtype=half if self.masters else None,
+            reduce_dtype=torch.float32 if half is not None else None,
+        )
+        # Only the model's output is cast back (ModelState does it where nothing is cast).
+        self.root_policy = dataclasses.replace(
+            self.block_policy, output_dtype=(output_dtype or torch.float32) if self.masters else None)
+        # float32 islands inside a half model: no input cast (they take half input).
+        self.float32_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+        if half is None:
+            self.notes = [f"fsdp=True: fp32 sharded parameters{', autocast in forward' if props.patch_torch_functions else ''}."]
+        elif self.masters:
+            self.notes = [f"fsdp=True: MixedPrecisionPolicy(param_dtype={half}, reduce_dtype=torch.float32); the sharded "
+                          f"fp32 parameters are the master weights."]
+        else:
+            self.notes = [f"fsdp=True: {half} parameters sharded, no master weights; gradients reduced in float32."]
+
+    def shard(self, model: nn.Module) -> Dict[torch.Tensor, torch.Tensor]:
+        """Broadcast rank 0's state, then ``fully_shard`` bottom-up: float32 islands, blocks,
+        the root. Returns ``{parameter before: sharded parameter}``."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from ..normalization import enable_mixed_input_batchnorm
+
+        where = {id(p): (m, n) for m in model.modules() for n, p in m._parameters.items() if p is not None}
+        before = {id(p): p for p in model.parameters()}
+        _broadcast_from_first_rank(model, self.shard_kwargs.get("mesh"))
+        if self.half_model:
+            for m in model.modules():
+                if _keeps_float32(m, self.keep_bn) and any(p is not None for p in m._parameters.values()):
+                    fully_shard(m, mp_policy=self.float32_policy, **self.shard_kwargs)
+            if self.keep_bn:
+                enable_mixed_input_batchnorm(model)
+        if self.blocks:
+            matched = [m for m in model.modules() if isinstance(m, self.blocks) and m is not model]
+            unused = [c.__name__ for c in self.blocks if not any(isinstance(m, c) for m in matched)]
+            if unused:
+                warnings.warn(f"initialize(fsdp_kwargs={{'blocks': ...}}): no submodule is a {', '.join(unused)}; "
+                              f"those classes have no effect.", NoEffectWarning, stacklevel=4)
+            for m in reversed(matched):  # children before their parents
+                if not isinstance(m, FSDPModule):
+                    fully_shard(m, mp_policy=self.block_policy, **self.shard_kwargs)
+        fully_shard(model, mp_policy=self.root_policy, **self.shard_kwargs)
+        state = getattr(model, "_ampkit", None)
+        if state is not None:
+            state.sharded = True
+            state._param_ids = {id(p) for p in model.parameters()}
+        return {before[i]: m._parameters[n] for i, (m, n) in where.items()}
+
+
+def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as with DDP."""
+    groups = [None] if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim)]
+    with torch.no_grad():
+        for group in groups:
+            src = 0 if group is None else dist.get_global_rank(group, 0)
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src, group=group)
+
+
+def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) -> Optional[Plan]:
+    """Check the ``fsdp`` options of ``initialize`` against its models and optimizers.
+
+    Returns the :class:`Plan` for ``fsdp=True`` and None otherwise; raises (before anything is
+    modified) on bad options and on the orders that cannot work.
+    """
+    if not isinstance(fsdp, bool):
+        raise TypeError(f"initialize(fsdp={fsdp!r}): expected True or False.")
+    if fsdp_kwargs is not None and not fsdp:
+        raise ValueError("initialize(fsdp_kwargs=...): only used with fsdp=True.")
+    half_model = props.cast_model_type in HALF_DTYPES
+    if not fsdp:
+        for m in models:
+            if half_model and is_sharded(m):
+                raise RuntimeError(
+                    f"initialize(models=...): the model was already sharded with fully_shard; at {props.opt_level} "
+                    f"the model is cast to half, which FSDP2 would undo (it all-gathers its own fp32 shards). Pass "
+                    f"the unsharded model with initialize(..., fsdp=True), which shards it with this level's "
+                    f"MixedPrecisionPolicy."
+                )
+        return None
+    if ddp:
+        raise ValueError("initialize(ddp=True, fsdp=True): choose one; FSDP2 already reduces gradients across ranks.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "initialize(fsdp=True): the default process group is not initialized; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up the environment)."
+        )
+    kwargs = {} if fsdp_kwargs is None else fsdp_kwargs
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"initialize(fsdp_kwargs={fsdp_kwargs!r}): expected a dict or None.")
+    unknown = sorted(set(kwargs) - set(FSDP_KWARGS))
+    if unknown:
+        hint = " (the opt level sets the MixedPrecisionPolicy)" if "mp_policy" in unknown else ""
+        raise ValueError(f"initialize(fsdp_kwargs=...): unknown key(s) {unknown}{hint}; accepted: {list(FSDP_KWARGS)}.")
+    blocks = kwargs.get("blocks", ())
+    if not (isinstance(blocks, (list, tuple)) and all(isinstance(c, type) and issubclass(c, nn.Module) for c in blocks)):
+        raise TypeError(
+            f"initialize(fsdp_kwargs={{'blocks': {blocks!r}}}): expected a list of nn.Module subclasses, each "
+            f"instance of which becomes its own fully_shard group (e.g. [TransformerBlock])."
+        )
+    rsf = kwargs.get("reshard_after_forward")
+    if not (rsf is None or isinstance(rsf, int)):
+        raise TypeError(f"initialize(fsdp_kwargs={{'reshard_after_forward': {rsf!r}}}): expected True, False, an int or None.")
+    mesh = kwargs.get("mesh")
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"initialize(fsdp_kwargs={{'mesh': {mesh!r}}}): expected a torch DeviceMesh or None.")
+    for m in models:
+        if is_sharded(m):
+            raise RuntimeError(
+                "initialize(fsdp=True): the model was already sharded with fully_shard; pass the unsharded model "
+                "(initialize applies fully_shard itself, per block and to the root)."
+            )
+    for opt in optimizers:
+        if opt.state:
+            raise ValueError(
+                f"initialize(fsdp=True): {type(opt).__name__} already has state for {len(opt.state)} parameter(s), "
+                f"which sharding would strand; create the optimizer fresh and load its state after initialize "
+                f"(ampkit.parallel.load_sharded)."
+            )
+    return Plan(props, kwargs, cast_model_outputs)
+
+
+def adopt_sharded(optimizer: torch.optim.Optimizer, sharded: Dict[torch.Tensor, torch.Tensor]) -> None:
+    """Point ``optimizer`` at the sharded parameters that replaced the ones it was built with."""
+    for group in optimizer.param_groups:
+        group["params"] = [sharded.get(p, p) for p in group["params"]]
+
+
+def check_not_resharded(module: nn.Module) -> None:
+    """Raise if ``fully_shard`` was applied after ``initialize``, to the model or to a module
+    around it (a DDP wrapper); called from the model's forward when its class was swapped
+    again or FSDP2 marked it as managed."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and (isinstance(module, fsdp.FSDPModule) or module.__dict__.get("_is_fsdp_managed_module")):
+        raise RuntimeError(
+            f"{type(module).__name__}: fully_shard was applied after ampkit.initialize; its optimizer still holds "
+            f"the parameters from before sharding, so nothing would train. Pass the unsharded model to "
+            f"ampkit.initialize(model, optimizer, opt_level=..., fsdp=True) instead."
+        )
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+
+    return dcp, sd
+
+
+def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Save model, optimizer and loss scalers with ``torch.distributed.checkpoint``: each rank
+    writes its own shards (collective: call on every rank)."""
+    from .. import frontend
+
+    dcp, sd = _dcp()
+    model_state, optim_state = sd.get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict()}, checkpoint_id=checkpoint_id)
+
+
+def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`save_sharded` wrote into a model and optimizer prepared by the same
+    ``initialize`` call (same level, same world size for a bit-exact resume)."""
+    from .. import frontend
+
+    dcp, sd = _dcp()
+    model_state, optim_state = sd.get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    frontend.load_state_dict(state["amp"])
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """For export: the whole model as one float32 state dict on CPU, on rank 0 (an empty dict on
+    the other ranks). Collective: call on every rank."""
+    _, sd = _dcp()
+    full = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.float() if torch.is_tensor(v) and v.dtype in HALF_DTYPES else v for k, v in full.items()}

@@ -1,0 +1,244 @@
+"""FSDP2 benchmarks on 2 ranks: per-rank peak memory and step time, table to stdout, JSON to a file.
+
+    python benchmarks/fsdp.py [--quick] [--json PATH] [--device cpu|cuda]
+
+1. memory: per-rank peak memory of O5 on FSDP2 (``initialize(..., fsdp=True)``) vs O5 on DDP
+   (``initialize(..., ddp=True)``), AdamW, a transformer LM of >= 50M parameters; each variant
+   in 2 fresh processes. Peak = the rise of the RSS high-water mark (CUDA: of the peak
+   allocated memory) from before the model is built. On CPU each pair runs twice: with glibc's
+   default malloc, whose heap keeps freed blocks (fragmentation the gloo threads' arenas make
+   worse), and with ``MALLOC_MMAP_THRESHOLD_=65536``, which maps every block >= 64 KiB and
+   returns it when freed, so that RSS follows the live tensors as CUDA's counter does. The
+   target is checked on the latter. Target: FSDP2 <= 0.6x DDP.
+2. step time: ampkit O5 on FSDP2 vs a hand-written ``fully_shard`` + ``MixedPrecisionPolicy``
+   loop on the same model (a smaller LM, so that many steps fit), both in the same 2
+   processes, alternating step by step (which goes first alternates too). Target: median of
+   the per-step ratios <= 1.02.
+
+Processes join with gloo on CPU, NCCL on CUDA (one GPU per rank; not run on CPU-only
+machines). ``--quick`` shrinks the model to check that everything runs; its figures are not
+valid for the targets.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from statistics import median, quantiles
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ampkit
+from ampkit.demo import MemoryMeter, machine
+from ampkit.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import table  # noqa: E402  (benchmarks/run.py: the same table format)
+
+FULL = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=32, batch=2), memory_steps=3,
+            speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=4, seq_len=64, batch=4),
+            speed_steps=30, warmup=3)
+QUICK = dict(lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=16, batch=2), memory_steps=2,
+             speed_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=16, batch=2),
+             speed_steps=2, warmup=1)
+WORLD = 2
+
+
+def _device(rank, device_type):
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def _worker(rank, fn, tmp, device_type, threads, args):
+    torch.set_num_threads(threads)
+    device = _device(rank, device_type)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
+                            rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=30))
+    torch.save(fn(rank, device, *args), f"{tmp}/{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(fn, device_type, threads, *args, env=None):
+    """``fn(rank, device, *args)`` on 2 fresh processes (with ``env`` added to their environment);
+    every rank's return value."""
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_worker, args=(fn, tmp, device_type, threads, args), nprocs=WORLD, join=True)
+            return [torch.load(f"{tmp}/{r}.pt", weights_only=False) for r in range(WORLD)]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _ampkit_fsdp(cfg, device):
+    torch.manual_seed(0)
+    model = TinyLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return ampkit.initialize(model, opt, opt_level="O5", verbosity=0, fsdp=True, fsdp_kwargs={"blocks": [Block]})
+
+
+def _ampkit_ddp(cfg, device):
+    torch.manual_seed(0)
+    model = TinyLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return ampkit.initialize(model, opt, opt_level="O5", verbosity=0, ddp=True)
+
+
+def _hand_fsdp(cfg, device):
+    """What a user writes without ampkit: fully_shard per block and on the root, bf16 compute,
+    fp32 reduction, fp32 output."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = TinyLM(cfg).to(device)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                      output_dtype=torch.float32))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _ampkit_step(model, opt, x, y):
+    opt.zero_grad()
+    with ampkit.scale_loss(lm_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def _hand_step(model, opt, x, y):
+    opt.zero_grad()
+    lm_loss(model(x), y).backward()
+    opt.step()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def memory_worker(rank, device, variant, cfg, steps):
+    meter = MemoryMeter(device)
+    model, opt = (_ampkit_fsdp if variant == "fsdp" else _ampkit_ddp)(cfg, device)
+    for x, y in lm_batches(cfg, steps, seed=rank):
+        _ampkit_step(model, opt, x.to(device), y.to(device))
+    _sync(device)
+    return meter.peak_mib()
+
+
+def speed_worker(rank, device, cfg, steps, warmup):
+    runs = {"ampkit": (*_ampkit_fsdp(cfg, device), _ampkit_step), "hand": (*_hand_fsdp(cfg, device), _hand_step)}
+    times = {k: [] for k in runs}
+    for i, (x, y) in enumerate(lm_batches(cfg, warmup + steps, seed=rank)):
+        x, y = x.to(device), y.to(device)
+        for name, (model, opt, step) in (runs.items() if i % 2 == 0 else reversed(runs.items())):
+            _sync(device)
+            start = time.perf_counter()
+            step(model, opt, x, y)
+            _sync(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+MALLOC = {"glibc default": {}, "blocks >= 64 KiB mmapped": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+
+
+def bench_memory(cfg, device_type, threads):
+    rows = []
+    for malloc, env in (MALLOC.items() if device_type == "cpu" else [("cuda allocator", {})]):
+        peaks = {}
+        for variant in ("ddp", "fsdp"):
+            peaks[variant] = launch(memory_worker, device_type, threads, variant, cfg["lm"], cfg["memory_steps"], env=env)
+        ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
+        rows.append({"malloc": malloc, "ddp_mib_per_rank": peaks["ddp"], "fsdp_mib_per_rank": peaks["fsdp"], "ratio": ratio})
+    return {"lm": str(cfg["lm"]), "params": sum(p.numel() for p in TinyLM(cfg["lm"]).parameters()), "rows": rows,
+            "fsdp_vs_ddp": rows[-1]["ratio"]}
+
+
+def bench_speed(cfg, device_type, threads):
+    ranks = launch(speed_worker, device_type, threads, cfg["speed_lm"], cfg["speed_steps"], cfg["warmup"])
+    t = ranks[0]  # steps end on a barrier: every rank sees the same step times
+    ratios = [a / h for a, h in zip(t["ampkit"], t["hand"])]
+    return {"lm": str(cfg["speed_lm"]), "params": sum(p.numel() for p in TinyLM(cfg["speed_lm"]).parameters()),
+            "ampkit_ms": 1e3 * median(t["ampkit"]), "hand_ms": 1e3 * median(t["hand"]),
+            "ratio": median(ratios), "ratio_per_step": ratios, "steps": len(ratios)}
+
+
+def report(results, quick):
+    out = []
+    if "memory" in results:
+        m = results["memory"]
+        out += [f"\n1. Per-rank peak memory, O5, AdamW, 2 ranks (LM {m['params'] / 1e6:.1f}M params)",
+                table(m["rows"], [("malloc", "malloc", "{}"),
+                                  ("DDP MiB (rank 0, 1)", lambda r: " ".join(f"{v:.0f}" for v in r["ddp_mib_per_rank"]), "{}"),
+                                  ("FSDP2 MiB (rank 0, 1)", lambda r: " ".join(f"{v:.0f}" for v in r["fsdp_mib_per_rank"]), "{}"),
+                                  ("FSDP2 / DDP", "ratio", "{:.2f}x")]),
+                "(ratio of the larger rank of each; the target is checked on the last row)"]
+    if "speed" in results:
+        s = results["speed"]
+        out += [f"\n2. Step time on FSDP2, O5, 2 ranks (LM {s['params'] / 1e6:.1f}M params; {s['steps']} steps per "
+                f"variant, alternating)",
+                table([s], [("ampkit ms", "ampkit_ms", "{:.1f}"), ("hand-written ms", "hand_ms", "{:.1f}"),
+                            ("median ratio", "ratio", "{:.3f}"),
+                            ("quartiles", lambda r: " ".join(f"{q:.3f}" for q in quantiles(r["ratio_per_step"], n=4)), "{}")])]
+    out += ["\nTargets" + (" (--quick: sizes too small, not valid for the targets)" if quick else ""),
+            table(check_targets(results), [("target", "target", "{}"), ("measured", "measured", "{}"), ("met", "met", "{}")])]
+    return "\n".join(out)
+
+
+def check_targets(results):
+    t = []
+    if "memory" in results:
+        m = results["memory"]
+        t.append({"target": "per-rank peak memory FSDP2-O5 <= 0.6x DDP-O5 (>= 50M params)",
+                  "measured": f"{m['fsdp_vs_ddp']:.2f}x ({m['params'] / 1e6:.1f}M)",
+                  "met": m["fsdp_vs_ddp"] <= 0.6 and m["params"] >= 50e6})
+    if "speed" in results:
+        s = results["speed"]
+        t.append({"target": "step time ampkit FSDP2-O5 / hand-written fully_shard <= 1.02", "measured": f"{s['ratio']:.3f}",
+                  "met": s["ratio"] <= 1.02})
+    return t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="ampkit FSDP2 benchmarks (2 ranks)")
+    p.add_argument("--quick", action="store_true", help="a small model: a smoke run, not valid for the targets")
+    p.add_argument("--json", metavar="PATH", help="write machine, config and results as JSON")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--only", default="memory,speed", help="comma-separated subset of memory,speed")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < WORLD:
+        p.error(f"--device cuda needs {WORLD} GPUs")
+    cfg = QUICK if args.quick else FULL
+    info = machine(torch.device(args.device))
+    print(f"ampkit {ampkit.__version__} FSDP2 benchmarks{' --quick' if args.quick else ''}: {info}", flush=True)
+    started = time.perf_counter()
+    benches = {"memory": bench_memory, "speed": bench_speed}
+    only = args.only.split(",")
+    if set(only) - set(benches):
+        p.error(f"--only: choose from {','.join(benches)}")
+    results = {name: bench(cfg, args.device, args.threads) for name, bench in benches.items() if name in only}
+    print(report(results, args.quick))
+    print(f"\nload average (1 min): {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
+          f"on {info['cores']} cores; more than the core count means other work shared the CPUs.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick,
+                       "seconds": time.perf_counter() - started, "results": results,
+                       "targets": check_targets(results)}, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

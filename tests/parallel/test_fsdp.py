@@ -1,0 +1,382 @@
+"""ampkit.initialize(..., fsdp=True) on 2 gloo ranks (FSDP2), against single-process runs.
+
+One launch trains every level, injects an inf on one rank, tries the wrong orders and writes
+DCP checkpoints; a second launch (new processes) resumes them. The single-process reference
+is the same level without FSDP on the concatenated batch (plain BatchNorm there,
+SyncBatchNorm in the sharded model).
+"""
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit
+from ampkit.parallel import convert_syncbn_model, full_state_dict, load_sharded, save_sharded
+
+from ._launch import run
+
+pytestmark = pytest.mark.slow
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+STEPS, POISON_STEP, SAVE_AT = 4, 2, 2
+# Per compute dtype: 2 ranks reduce half-batch gradients in fp32 where the single process
+# computes one full-batch gradient, so results agree to the rounding of the compute dtype.
+TOLERANCE = {"fp32": dict(rtol=1e-5, atol=1e-6), "fp16": dict(rtol=2e-3, atol=2e-3), "bf16": dict(rtol=1e-2, atol=1e-2)}
+COMPUTE = {"O0": "fp32", "O1": "fp16", "O2": "fp16", "O3": "fp16", "O4": "bf16", "O5": "bf16"}
+CHECKPOINT_LEVELS = ["O0", "O2", "O3", "O5"]
+# Accumulation at O0 checks the arithmetic exactly; bf16 is left out there because 2-sample
+# micro-batches through BatchNorm amplify bf16 rounding past its tolerance (O4 as much as O5).
+ACCUMULATE_CLIP = [("O0", "accumulate"), ("O2", "accumulate"), ("O0", "delay_unscale"), ("O2", "delay_unscale"),
+                   ("O2", "clip"), ("O5", "clip")]
+HOW = {"accumulate": {"micro": 2}, "delay_unscale": {"micro": 2, "delay": True}, "clip": {"clip": 0.5}}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.tanh(self.bn(self.fc(x)))
+
+
+def make_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 3))
+
+
+def global_batches(n=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)) for _ in range(STEPS)]
+
+
+def _build(level, seed, distributed, adam=False, fsdp_kwargs=None):
+    net = make_net(seed)
+    if distributed:
+        net = convert_syncbn_model(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-3) if adam else torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    # Half-batch losses give each rank twice the single process's per-sample gradient in
+    # float16 backward: a scale of 2**16 would overflow there first; cap it.
+    return ampkit.initialize(net, opt, opt_level=level, verbosity=0, max_loss_scale=2.0**10,
+                             fsdp=distributed, fsdp_kwargs=(fsdp_kwargs or {"blocks": [Block]}) if distributed else None)
+
+
+def _micro(t, rank, i):
+    """Micro-batch ``i`` of 2: on a rank, half of its shard; in the single process, the
+    concatenation of both ranks' micro-batch ``i`` (the same samples meet in SyncBatchNorm)."""
+    if rank is not None:
+        return t.chunk(2)[rank].chunk(2)[i]
+    return torch.cat([t.chunk(2)[r].chunk(2)[i] for r in (0, 1)])
+
+
+def _train(model, opt, steps, rank=None, poison_at=None, micro=1, clip=None, delay=False):
+    """Losses of ``steps`` (global means), and whether the poisoned step left weights and
+    optimizer state untouched. ``micro=2`` accumulates two micro-batches per step (plain
+    repeated ``scale_loss``; with ``delay``, the first with ``delay_unscale=True`` and, on FSDP,
+    without gradient reduction); ``clip`` clips the gradient norm before each step."""
+    losses, untouched = [], None
+    for step in steps:
+        opt.zero_grad()
+        for i in range(micro):
+            x, y = (_micro(t, rank, i) if micro == 2 else t if rank is None else t.chunk(2)[rank]
+                    for t in global_batches()[step])
+            first = delay and i == 0
+            if rank is not None and delay:
+                model.set_requires_gradient_sync(not first)  # FSDP2's no_sync
+            loss = F.mse_loss(model(x), y)
+            with ampkit.scale_loss(loss, opt, delay_unscale=first) as scaled:
+                scaled.backward()
+                if step == poison_at and rank in (None, 1):  # one rank only
+                    grad = model[0].weight.grad
+                    with torch.no_grad():
+                        (grad.to_local() if rank is not None else grad).view(-1)[0] = float("inf")
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(ampkit.master_params(opt)), clip)
+            losses.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        before = _local_state(opt) if step == poison_at else None
+        opt.step()
+        if before is not None:
+            untouched = _same(before, _local_state(opt))
+        loss = loss.detach().float()
+        if rank is not None:
+            dist.all_reduce(loss)
+            loss /= 2
+        losses.append(loss.item())
+    return losses, untouched
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_state(opt):
+    params = [_local(p).detach().clone() for p in ampkit.master_params(opt)]
+    state = [{k: _local(v).clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
+    return params, state
+
+
+def _same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    return all(torch.equal(x, y) for x, y in zip(pa, pb)) and len(sa) == len(sb) and all(
+        sx.keys() == sy.keys() and all(torch.equal(sx[k], sy[k]) if torch.is_tensor(sx[k]) else sx[k] == sy[k] for k in sx)
+        for sx, sy in zip(sa, sb))
+
+
+def _outcome(model, opt, losses, untouched=None):
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+    return {"losses": losses, "untouched": untouched, "amp": ampkit.state_dict(),
+            "masters": [full(p) for p in ampkit.master_params(opt)],
+            "buffers": [b.clone() for b in model.buffers()], "local": _local_state(opt)}
+
+
+def _unchanged(net, opt):
+    """What ``initialize`` would change, to compare before and after a refused call."""
+    return (type(net), [id(p) for p in net.parameters()], [_local(p).detach().clone() for p in net.parameters()],
+            hasattr(net, "_ampkit"), [id(p) for g in opt.param_groups for p in g["params"]], hasattr(opt, "_ampkit"),
+            "step" in vars(opt))
+
+
+def _same_snapshot(a, b):
+    return a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2], b[2])) and a[3:] == b[3:]
+
+
+def _refused(call, net, opt):
+    before = _unchanged(net, opt)
+    try:
+        call()
+    except (TypeError, ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e), _same_snapshot(before, _unchanged(net, opt))
+    return None
+
+
+def _wrong_orders(rank):
+    from torch.distributed.fsdp import fully_shard
+
+    def fresh():
+        net = make_net(0)
+        return net, torch.optim.SGD(net.parameters(), lr=0.1)
+
+    out = {}
+    net, opt = fresh()
+    out["ddp_and_fsdp"] = _refused(lambda: ampkit.initialize(net, opt, opt_level="O5", ddp=True, fsdp=True), net, opt)
+    out["mp_policy"] = _refused(lambda: ampkit.initialize(net, opt, opt_level="O5", fsdp=True, fsdp_kwargs={"mp_policy": None}), net, opt)
+    out["blocks"] = _refused(lambda: ampkit.initialize(net, opt, opt_level="O5", fsdp=True, fsdp_kwargs={"blocks": "Block"}), net, opt)
+    out["kwargs_without_fsdp"] = _refused(lambda: ampkit.initialize(net, opt, opt_level="O5", fsdp_kwargs={}), net, opt)
+    F.mse_loss(net(torch.randn(4, 4)), torch.zeros(4, 3)).backward()
+    opt.step()
+    optm = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    optm.state[next(net.parameters())]["momentum_buffer"] = torch.zeros(1)
+    out["optimizer_state"] = _refused(lambda: ampkit.initialize(net, optm, opt_level="O5", fsdp=True), net, optm)
+
+    net, opt = fresh()
+    fully_shard(net)
+    out["sharded_then_fsdp"] = _refused(lambda: ampkit.initialize(net, opt, opt_level="O1", fsdp=True), net, opt)
+    out["sharded_then_O5"] = _refused(lambda: ampkit.initialize(net, opt, opt_level="O5"), net, opt)
+
+    # At O2/O3/O5 FSDP2's own lazy init refuses the mixed fp32/half model first.
+    for level in ("O1", "O4"):
+        net, opt = fresh()
+        net, opt = ampkit.initialize(net, opt, opt_level=level, verbosity=0)
+        fully_shard(net)
+        # The forward is refused; FSDP's pre-forward hook (before it) has already unsharded the
+        # model's parameters, so what must not change is the optimizer: its tensors and state.
+        before = [(p, p.detach().clone()) for p in ampkit.master_params(opt)]
+        kind, message, _ = _refused(lambda: net(torch.randn(4, 4)), net, opt)
+        untouched = not opt.state and all(q is p and torch.equal(p, v) for (p, v), q in zip(before, ampkit.master_params(opt)))
+        out[f"fully_shard_after_initialize_{level}"] = (kind, message, untouched)
+    # ampkit.checkpoint's one-file save/load on a sharded model
+    net, opt = fresh()
+    model, opt = ampkit.initialize(net, opt, opt_level="O5", verbosity=0, fsdp=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out["checkpoint_save"] = _refused(lambda: ampkit.checkpoint.save(f"{tmp}/c.pt", model, opt), model, opt)
+        out["checkpoint_load"] = _refused(lambda: ampkit.checkpoint.load(f"{tmp}/c.pt", model, opt), model, opt)
+    # fully_shard on what initialize(..., ddp=True) returned: the same, caught in the inner forward
+    net, opt = fresh()
+    model, opt = ampkit.initialize(net, opt, opt_level="O1", verbosity=0, ddp=True)
+    fully_shard(model)
+    before = [(p, p.detach().clone()) for p in ampkit.master_params(opt)]
+    kind, message, _ = _refused(lambda: model(torch.randn(4, 4)), net, opt)
+    untouched = not opt.state and all(q is p and torch.equal(p, v) for (p, v), q in zip(before, ampkit.master_params(opt)))
+    out["fully_shard_on_ddp_model"] = (kind, message, untouched)
+    return out
+
+
+def _worker(rank, world_size, checkpoint_dir):
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for level in LEVELS:
+        model, opt = _build(level, seed=rank, distributed=True)  # ranks start from rank 0's weights
+        out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+        model, opt = _build(level, seed=rank, distributed=True)
+        out[f"{level}/inf"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=POISON_STEP))
+    for level, how in ACCUMULATE_CLIP:
+        model, opt = _build(level, seed=rank, distributed=True)
+        out[f"{level}/{how}"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, **HOW[how]))
+    # fully_shard's own options pass through: the same mesh written out, parameters kept
+    # gathered after forward; the arithmetic is unchanged.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = {"blocks": [Block], "mesh": init_device_mesh("cpu", (2,)), "reshard_after_forward": False}
+    model, opt = _build("O5", seed=rank, distributed=True, fsdp_kwargs=kwargs)
+    out["O5/options"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+    # The user's own fully_shard, then initialize at a level that casts nothing: that order works.
+    net = convert_syncbn_model(make_net(0))
+    for block in (net[1], net[2]):
+        fully_shard(block)
+    fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model, opt = ampkit.initialize(net, opt, opt_level="O1", verbosity=0, max_loss_scale=2.0**10)
+    out["O1/sharded_first"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+    out["errors"] = _wrong_orders(rank)
+    for level in CHECKPOINT_LEVELS:
+        model, opt = _build(level, seed=rank, distributed=True, adam=True)
+        out[f"{level}/uninterrupted"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=1))
+        if level == "O5":
+            out["export"] = full_state_dict(model)
+        model, opt = _build(level, seed=rank, distributed=True, adam=True)
+        _train(model, opt, range(SAVE_AT), rank, poison_at=1)
+        save_sharded(f"{checkpoint_dir}/{level}", model, opt)
+    return out
+
+
+def _resume_worker(rank, world_size, checkpoint_dir):
+    out = {}
+    for level in CHECKPOINT_LEVELS:
+        model, opt = _build(level, seed=100 + rank, distributed=True, adam=True)
+        load_sharded(f"{checkpoint_dir}/{level}", model, opt)
+        out[level] = _outcome(model, opt, *_train(model, opt, range(SAVE_AT, STEPS), rank))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint_dir):
+    return run(_worker, 2, checkpoint_dir, timeout=900, pg_timeout=600)
+
+
+@pytest.fixture(scope="module")
+def resumed(two_ranks, checkpoint_dir):
+    return run(_resume_worker, 2, checkpoint_dir, timeout=900, pg_timeout=600)
+
+
+def _reference(level, **kwargs):
+    model, opt = _build(level, seed=0, distributed=False)
+    return _outcome(model, opt, *_train(model, opt, range(STEPS), **kwargs))
+
+
+def _assert_ranks_agree(ranks, key):
+    a, b = ranks[0][key], ranks[1][key]
+    assert a["losses"] == b["losses"] and a["amp"] == b["amp"], key
+    for x, y in zip(a["masters"] + a["buffers"], b["masters"] + b["buffers"]):
+        assert torch.equal(x, y), key
+
+
+def _assert_matches(got, want, level):
+    tol = TOLERANCE[COMPUTE[level]]
+    assert got["amp"] == want["amp"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **tol)
+    for x, y in zip(got["masters"], want["masters"]):
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_loss_curve_matches_single_process(two_ranks, level):
+    _assert_ranks_agree(two_ranks, f"{level}/train")
+    got = two_ranks[0][f"{level}/train"]
+    # The optimizer steps on fp32 shards (FSDP's masters) except at O3 (half shards).
+    assert {x.dtype for x in got["masters"]} == {torch.float16 if level == "O3" else torch.float32}
+    _assert_matches(got, _reference(level), level)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_inf_on_one_rank_skips_the_step_on_every_rank(two_ranks, level):
+    _assert_ranks_agree(two_ranks, f"{level}/inf")
+    for rank in two_ranks:
+        got = rank[f"{level}/inf"]
+        assert got["untouched"] is True  # weights and optimizer state, on every rank
+        assert got["amp"]["loss_scaler0"]["unskipped"] == STEPS - 1 - POISON_STEP
+        # dynamic (O1/O2) backs off from the cap 2**10; static scales stay
+        assert got["amp"]["loss_scaler0"]["loss_scale"] == {"O1": 512.0, "O2": 512.0}.get(level, 1.0)
+    _assert_matches(two_ranks[0][f"{level}/inf"], _reference(level, poison_at=POISON_STEP), level)
+
+
+@pytest.mark.parametrize("level, how", ACCUMULATE_CLIP)
+def test_accumulation_and_clipping_match_single_process(two_ranks, level, how):
+    """Two scale_loss calls per step (plain, or the first with delay_unscale=True and FSDP's
+    gradient sync off); clip_grad_norm_ on master_params (the sharded gradients: its "losses"
+    here are the total norms)."""
+    _assert_ranks_agree(two_ranks, f"{level}/{how}")
+    want = _reference(level, **HOW[how])
+    _assert_matches(two_ranks[0][f"{level}/{how}"], want, level)
+
+
+def test_fully_shard_options_pass_through(two_ranks):
+    for rank in two_ranks:
+        got, want = rank["O5/options"], rank["O5/train"]
+        assert got["losses"] == want["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(got["masters"], want["masters"]))
+
+
+def test_initialize_after_users_fully_shard_works_where_nothing_is_cast(two_ranks):
+    _assert_ranks_agree(two_ranks, "O1/sharded_first")
+    _assert_matches(two_ranks[0]["O1/sharded_first"], _reference("O1"), "O1")
+
+
+EXPECTED_ERRORS = {
+    "ddp_and_fsdp": ("ValueError", "initialize(ddp=True, fsdp=True): choose one"),
+    "mp_policy": ("ValueError", "unknown key(s) ['mp_policy'] (the opt level sets the MixedPrecisionPolicy)"),
+    "blocks": ("TypeError", "expected a list of nn.Module subclasses"),
+    "kwargs_without_fsdp": ("ValueError", "initialize(fsdp_kwargs=...): only used with fsdp=True"),
+    "optimizer_state": ("ValueError", "SGD already has state for 1 parameter(s)"),
+    "sharded_then_fsdp": ("RuntimeError", "initialize(fsdp=True): the model was already sharded with fully_shard"),
+    "sharded_then_O5": ("RuntimeError", "at O5 the model is cast to half, which FSDP2 would undo"),
+    "fully_shard_after_initialize_O1": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
+    "fully_shard_after_initialize_O4": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
+    "fully_shard_on_ddp_model": ("RuntimeError", "fully_shard was applied after ampkit.initialize"),
+    "checkpoint_save": ("ValueError", "Use ampkit.parallel.save_sharded("),
+    "checkpoint_load": ("ValueError", "Use ampkit.parallel.load_sharded("),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
+def test_wrong_orders_are_clear_errors_that_change_nothing(two_ranks, case):
+    for rank in two_ranks:
+        got = rank["errors"][case]
+        assert got is not None, f"{case}: no error"
+        kind, message, unchanged = got
+        assert kind == EXPECTED_ERRORS[case][0] and EXPECTED_ERRORS[case][1] in message, message
+        assert unchanged, f"{case}: something was modified"
+
+
+@pytest.mark.parametrize("level", CHECKPOINT_LEVELS)
+def test_dcp_checkpoint_resumes_bit_exactly_in_new_processes(two_ranks, resumed, level):
+    for rank, (before, after) in enumerate(zip(two_ranks, resumed)):
+        want, got = before[f"{level}/uninterrupted"], after[level]
+        assert got["losses"] == want["losses"][SAVE_AT:]
+        assert got["amp"] == want["amp"]
+        assert want["amp"]["loss_scaler0"]["loss_scale"] == (512.0 if level == "O2" else 1.0)  # the scaler state matters
+        for x, y in zip(got["masters"] + got["buffers"], want["masters"] + want["buffers"]):
+            assert torch.equal(x, y), f"rank {rank}"
+        assert _same(got["local"], want["local"]), f"rank {rank}: optimizer state"
+
+
+def test_full_state_dict_exports_float32_on_rank_0_for_a_plain_model(two_ranks):
+    assert two_ranks[1]["export"] == {}  # rank 0 alone holds the whole model, on CPU
+    for rank in two_ranks[:1]:
+        export = rank["export"]
+        plain = make_net(0)
+        assert list(export) == list(plain.state_dict())
+        assert all(v.dtype == torch.float32 for k, v in export.items() if "num_batches" not in k)
+        plain.load_state_dict(export)
+        for p, m in zip(plain.parameters(), rank["O5/uninterrupted"]["masters"]):
+            assert torch.equal(p, m)
