@@ -10,6 +10,7 @@ from .autocasting import (
     register_promote_function,
 )
 from . import checkpoint, normalization, parallel, surgery
+from .capabilities import Capabilities, capabilities
 from .errors import NoEffectWarning
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .opt_levels import OPT_LEVELS, Properties
@@ -21,5 +22,5 @@ __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "autocast", "disable_casts", "half_function", "float_function", "promote_function",
     "register_half_function", "register_float_function", "register_promote_function",
-    "NoEffectWarning", "OPT_LEVELS", "Properties", "LossScaler",
+    "NoEffectWarning", "OPT_LEVELS", "Properties", "LossScaler", "capabilities", "Capabilities",
 ]
