@@ -18,7 +18,7 @@ STEPS = 50
 TOL = {"O0": 1e-5, "O1": 5e-3, "O2": 5e-3, "O3": 5e-3, "O4": 3e-2, "O5": 3e-2}
 # Final weights: AdamW moves a weight whose gradient is near zero by about lr whatever its sign,
 # so one half-precision rounding difference can move a single weight by a step or two.
-STATE_ATOL = {level: 1e-5 if level == "O0" else 2e-2 for level in TOL}
+STATE_ATOL = {"O0": 1e-5, "O1": 2e-2, "O2": 2e-2, "O3": 2e-2, "O4": 5e-2, "O5": 5e-2}
 INF_STEP = 20  # a batch with an inf: every level must skip this step, compiled or not
 
 
@@ -115,3 +115,18 @@ def test_forward_has_no_graph_break_with_kwargs_and_nested_inputs():
     ref = model(x, extra={"b": b}, pair=(p, 3))
     assert out["out"].dtype == torch.float32 and out["n"] == 3
     assert torch.equal(out["out"], ref["out"])
+
+
+def test_documented_pattern_through_inductor():
+    """The README's compiled training step (compiled model, eager scale_loss, compiled step) at O5,
+    through the real compiler: inductor's fused kernels round bf16 differently, within tolerance."""
+    eager, eager_skipped, eager_state, _ = _train("O5")
+    compiled, skipped, state, breaks = _train("O5", backend="inductor")
+    assert _only_torch_optim_breaks(breaks), breaks
+    assert skipped == eager_skipped >= 1
+    finite = torch.isfinite(eager)
+    assert torch.equal(finite, torch.isfinite(compiled))
+    torch.testing.assert_close(compiled[finite], eager[finite], rtol=TOL["O5"], atol=TOL["O5"])
+    for key, value in eager_state.items():
+        assert state[key].dtype == value.dtype
+        torch.testing.assert_close(state[key], value, rtol=TOL["O5"], atol=STATE_ATOL["O5"], equal_nan=True)
