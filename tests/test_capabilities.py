@@ -113,3 +113,14 @@ def test_initialize_auto_is_silent_at_verbosity_0_and_takes_overrides(cpu, caplo
         model = ampkit.initialize(_model(), opt_level="auto", verbosity=0, half_dtype=torch.float16)
     assert not caplog.records
     assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32  # O5 with fp16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_real_cuda_device():
+    caps = ampkit.capabilities("cuda:0")
+    major, minor = torch.cuda.get_device_capability(0)
+    assert caps.isa == f"sm_{major}{minor}" and caps.native_bf16 == (major >= 8)
+    model = ampkit.initialize(_model().cuda(), opt_level="auto", verbosity=0)
+    expected = caps_module.auto_level("cuda:0")[0]
+    assert model[0].weight.dtype == {"O5": torch.bfloat16, "O2": torch.float16, "O0": torch.float32}[expected]

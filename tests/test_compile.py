@@ -36,20 +36,21 @@ class Net(nn.Module):
         return self.fc2(self.ln(torch.relu(self.bn(self.fc1(batch["x"])))))
 
 
-def _batches():
+def _batches(device="cpu"):
     g = torch.Generator().manual_seed(1)
-    out = [({"x": torch.randn(16, 8, generator=g)}, torch.randn(16, 4, generator=g)) for _ in range(4)]
+    out = [({"x": torch.randn(16, 8, generator=g).to(device)}, torch.randn(16, 4, generator=g).to(device))
+           for _ in range(4)]
     bad = {"x": out[0][0]["x"].clone()}
     bad["x"][0, 0] = float("inf")
     return out, (bad, out[0][1])
 
 
-def _train(level, backend=None):
+def _train(level, backend=None, device="cpu"):
     """Losses, skipped steps and final fp32 state of STEPS steps of the documented loop."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)  # 1e-8 is 0 in fp16 (O3 steps on it)
     model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
     forward, step = model, opt.step
@@ -60,7 +61,7 @@ def _train(level, backend=None):
         def step():
             opt.step()
 
-    batches, bad = _batches()
+    batches, bad = _batches(device)
     losses = []
     for i in range(STEPS):
         x, y = bad if i == INF_STEP else batches[i % len(batches)]
@@ -72,7 +73,7 @@ def _train(level, backend=None):
         losses.append(loss.item())
     breaks = dict(counters["graph_break"])
     skipped = opt._ampkit.session.scalers[0].skipped_steps
-    return torch.tensor(losses), skipped, model.state_dict(), breaks
+    return torch.tensor(losses), skipped, {k: v.cpu() for k, v in model.state_dict().items()}, breaks
 
 
 def _only_torch_optim_breaks(breaks):
@@ -117,16 +118,21 @@ def test_forward_has_no_graph_break_with_kwargs_and_nested_inputs():
     assert torch.equal(out["out"], ref["out"])
 
 
-def test_documented_pattern_through_inductor():
-    """The README's compiled training step (compiled model, eager scale_loss, compiled step) at O5,
-    through the real compiler: inductor's fused kernels round bf16 differently, within tolerance."""
-    eager, eager_skipped, eager_state, _ = _train("O5")
-    compiled, skipped, state, breaks = _train("O5", backend="inductor")
+@pytest.mark.parametrize("level, device", [
+    ("O5", "cpu"),
+    pytest.param("O2", "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+    pytest.param("O5", "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+])
+def test_documented_pattern_through_inductor(level, device):
+    """The README's compiled training step (compiled model, eager scale_loss, compiled step) through
+    the real compiler: inductor's fused kernels round half precision differently, within tolerance."""
+    eager, eager_skipped, eager_state, _ = _train(level, device=device)
+    compiled, skipped, state, breaks = _train(level, backend="inductor", device=device)
     assert _only_torch_optim_breaks(breaks), breaks
     assert skipped == eager_skipped >= 1
     finite = torch.isfinite(eager)
     assert torch.equal(finite, torch.isfinite(compiled))
-    torch.testing.assert_close(compiled[finite], eager[finite], rtol=TOL["O5"], atol=TOL["O5"])
+    torch.testing.assert_close(compiled[finite], eager[finite], rtol=TOL[level], atol=TOL[level])
     for key, value in eager_state.items():
         assert state[key].dtype == value.dtype
-        torch.testing.assert_close(state[key], value, rtol=TOL["O5"], atol=STATE_ATOL["O5"], equal_nan=True)
+        torch.testing.assert_close(state[key], value, rtol=TOL[level], atol=STATE_ATOL[level], equal_nan=True)
