@@ -2,7 +2,7 @@
 
 By default the demo first says what this machine does natively in half precision
 (:func:`ampkit.capabilities`), then sizes itself to finish in about a minute: a quick probe
-times one step per model and compute dtype at a quarter of the batch, and the steps per
+times two steps per model and compute dtype at a sixteenth of the batch, and the steps per
 run (and, on a slow machine, the batch) are chosen from it. ``--steps N`` runs N steps at
 full size instead.
 
@@ -121,10 +121,24 @@ def _batch_size(model_name: str, scale: float) -> int:
     return max(1, round((DEMO_LM.batch if model_name == "lm" else DEMO_CNN["batch"]) * scale))
 
 
+def _lm_shape(scale: float) -> LMConfig:
+    """The LM's batch at ``scale`` times the default tokens: fewer sequences, down to 2, then shorter ones."""
+    batch = max(2, round(DEMO_LM.batch * scale))
+    seq_len = max(8, min(DEMO_LM.seq_len, round(DEMO_LM.seq_len * DEMO_LM.batch * scale / batch)))
+    return dataclasses.replace(DEMO_LM, batch=batch, seq_len=seq_len)
+
+
 def _batches(model_name: str, scale: float = 1.0):
     if model_name == "lm":
-        return lm_batches(dataclasses.replace(DEMO_LM, batch=_batch_size("lm", scale)), 8)
+        return lm_batches(_lm_shape(scale), 8)
     return image_batches(8, _batch_size("cnn", scale), DEMO_CNN["size"])
+
+
+def _size(model_name: str, scale: float) -> str:
+    if model_name == "lm":
+        shape = _lm_shape(scale)
+        return f"{shape.batch}x{shape.seq_len} tokens"
+    return f"{_batch_size(model_name, scale)} images"
 
 
 def _model(model_name: str):
@@ -175,7 +189,7 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: f
     return {
         "model": model_name,
         "level": level,
-        "batch": _batch_size(model_name, scale),
+        "batch": _size(model_name, scale),
         "weights": _dtypes(model.parameters()),
         "compute": SHORT[props.half_dtype] if props.patch_torch_functions else _dtypes(model.parameters()).split("+")[0],
         "masters": "fp32" if optimizer._ampkit.masters else "-",
@@ -271,8 +285,8 @@ def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", pro
 BUDGET_S = 30.0  # training time the default demo aims for; imports, probe and forks bring it to about a minute
 RUN_OVERHEAD_S = 0.3  # fork, build and initialize per run, on top of the probed first step
 MIN_STEPS, MAX_STEPS = 10, 30
-PROBE_SCALE = 0.125  # the probe's batch, as a share of the demo's
-SCALES = (1.0, 0.5, 0.25, 0.125)
+PROBE_SCALE = 1 / 16  # the probe's batch, as a share of the demo's
+SCALES = (1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32)
 
 
 def _probe_level(level: str) -> str:
@@ -285,14 +299,14 @@ def _probe_level(level: str) -> str:
 
 def probe(models, levels, device: str, report: Optional[Callable] = None) -> Dict[str, List[float]]:
     """In one process: ``"model level" -> [first step s, later step s]`` for each model and each
-    compute dtype ``levels`` use, 3 steps at ``PROBE_SCALE`` of the batch (the slower of the two
-    later steps counts). The first step's time includes building and initializing the model."""
+    compute dtype ``levels`` use, 2 steps at ``PROBE_SCALE`` of the batch. The first step's time
+    includes building and initializing the model."""
     out = {}
     for model_name in models:
         for level in sorted({_probe_level(lvl) for lvl in levels}):
             stamps, start = [], time.perf_counter()
-            train(model_name, level, 3, device, PROBE_SCALE, report=lambda done: stamps.append(time.perf_counter()))
-            out[f"{model_name} {level}"] = [stamps[0] - start, max(b - a for a, b in zip(stamps, stamps[1:]))]
+            train(model_name, level, 2, device, PROBE_SCALE, report=lambda done: stamps.append(time.perf_counter()))
+            out[f"{model_name} {level}"] = [stamps[0] - start, stamps[1] - stamps[0]]
     return out
 
 
@@ -361,7 +375,7 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
         started = time.perf_counter()
         times = isolated(probe, tuple(models), tuple(levels), str(dev))
         steps, scale = plan(times, models, levels)
-        sizes = ", ".join(f"{m} batch {_batch_size(m, scale)}" for m in models)
+        sizes = ", ".join(f"{m} {_size(m, scale)}" for m in models)
         print(f"Speed probe ({time.perf_counter() - started:.1f} s): {steps} steps per run, {sizes}, to finish in "
               f"about a minute (--steps N: N steps at the full batch).", flush=True)
     rows = run(levels, steps, models, str(dev), scale=scale)

@@ -63,5 +63,12 @@ def test_default_demo_probes_then_runs(tmp_path, capsys):
     assert set(data["probe"]) == {"cnn O0", "cnn O5"} and all(f > 0 and s > 0 for f, s in data["probe"].values())
     assert 3 <= data["steps"] <= demo.MAX_STEPS and data["batch_scale"] in demo.SCALES
     assert data["capabilities"]["device"] == "cpu"
-    assert [r["batch"] for r in rows] == [demo._batch_size("cnn", data["batch_scale"])] * 2
+    assert [r["batch"] for r in rows] == [demo._size("cnn", data["batch_scale"])] * 2
     assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=0.02)
+
+
+def test_lm_shape_shrinks_sequences_after_the_batch():
+    assert (demo._lm_shape(1.0).batch, demo._lm_shape(1.0).seq_len) == (16, 64)
+    assert (demo._lm_shape(1 / 8).batch, demo._lm_shape(1 / 8).seq_len) == (2, 64)
+    assert (demo._lm_shape(1 / 32).batch, demo._lm_shape(1 / 32).seq_len) == (2, 16)
+    assert demo._size("lm", 1 / 16) == "2x32 tokens" and demo._size("cnn", 1 / 16) == "2 images"
