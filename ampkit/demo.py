@@ -159,10 +159,12 @@ def _dtypes(tensors) -> str:
     return "+".join(SHORT.get(d, str(d)) for d in sorted(numel, key=numel.get, reverse=True))
 
 
-def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: float = 1.0,
+def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: float = 1.0, threads: int = 0,
           report: Optional[Callable] = None) -> dict:
     """Train ``model_name`` at ``level`` for ``steps`` steps on batches ``scale`` times the
-    default size; return one row of the table."""
+    default size (with ``threads`` CPU threads when positive); return one row of the table."""
+    if threads > 0:
+        torch.set_num_threads(threads)
     dev = torch.device(device)
     batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name, scale)]
     meter = MemoryMeter(dev)
@@ -262,7 +264,7 @@ class Progress:
 
 
 def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", progress: bool = True,
-        scale: float = 1.0) -> List[dict]:
+        scale: float = 1.0, threads: int = 0) -> List[dict]:
     """Train every model at every level, each in a fresh process; return the rows."""
     dev = resolve_device(device)
     bar = Progress(len(levels) * len(models), steps) if progress else None
@@ -271,7 +273,8 @@ def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", pro
         for level in levels:
             if bar:
                 bar.start(f"{model_name:3} {level}")
-            rows.append(isolated(train, model_name, level, steps, str(dev), scale, report=bar.step if bar else None))
+            rows.append(isolated(train, model_name, level, steps, str(dev), scale, threads,
+                                 report=bar.step if bar else None))
             if bar:
                 bar.finish()
     for row in rows:
@@ -297,7 +300,7 @@ def _probe_level(level: str) -> str:
     return "O5" if props.half_dtype == torch.bfloat16 else "O2"
 
 
-def probe(models, levels, device: str, report: Optional[Callable] = None) -> Dict[str, List[float]]:
+def probe(models, levels, device: str, threads: int = 0, report: Optional[Callable] = None) -> Dict[str, List[float]]:
     """In one process: ``"model level" -> [first step s, later step s]`` for each model and each
     compute dtype ``levels`` use, 2 steps at ``PROBE_SCALE`` of the batch. The first step's time
     includes building and initializing the model."""
@@ -305,7 +308,8 @@ def probe(models, levels, device: str, report: Optional[Callable] = None) -> Dic
     for model_name in models:
         for level in sorted({_probe_level(lvl) for lvl in levels}):
             stamps, start = [], time.perf_counter()
-            train(model_name, level, 2, device, PROBE_SCALE, report=lambda done: stamps.append(time.perf_counter()))
+            train(model_name, level, 2, device, PROBE_SCALE, threads,
+                  report=lambda done: stamps.append(time.perf_counter()))
             out[f"{model_name} {level}"] = [stamps[0] - start, stamps[1] - stamps[0]]
     return out
 
@@ -370,15 +374,20 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
     print(f"ampkit {ampkit.__version__} demo on {info['device']} ({info['cpu']}, {info['threads']} threads, "
           f"torch {info['torch']})", flush=True)
     print("\n".join(describe(caps)), flush=True)
-    scale, times = 1.0, None
+    scale, times, threads = 1.0, None, 0
     if steps is None:
+        load = info["load_average"]
+        if dev.type == "cpu" and load is not None and info["threads"] > 1 and load >= info["cores"]:
+            # Threads of one op wait for each other; on a busy machine each wait can cost a time slice.
+            threads = 1
+            print(f"The machine is busy (load average {load:.1f} on {info['cores']} cores): one thread per run.")
         started = time.perf_counter()
-        times = isolated(probe, tuple(models), tuple(levels), str(dev))
+        times = isolated(probe, tuple(models), tuple(levels), str(dev), threads)
         steps, scale = plan(times, models, levels)
         sizes = ", ".join(f"{m} {_size(m, scale)}" for m in models)
         print(f"Speed probe ({time.perf_counter() - started:.1f} s): {steps} steps per run, {sizes}, to finish in "
               f"about a minute (--steps N: N steps at the full batch).", flush=True)
-    rows = run(levels, steps, models, str(dev), scale=scale)
+    rows = run(levels, steps, models, str(dev), scale=scale, threads=threads)
     memory = "peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS of the run's own process above its RSS before the model was built"
     print()
     print(format_table(rows))
@@ -386,6 +395,6 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"machine": info, "capabilities": dataclasses.asdict(caps), "steps": steps, "batch_scale": scale,
-                       "probe": times, "rows": rows}, f, indent=2)
+                       "threads_per_run": threads or info["threads"], "probe": times, "rows": rows}, f, indent=2)
         print(f"wrote {json_path}")
     return rows
