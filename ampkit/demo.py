@@ -338,8 +338,8 @@ def describe(caps) -> List[str]:
     lines = [f"This machine: {caps.line()}"]
     lines += [f"  {'/'.join(lvls)}: {gain}" for gain, lvls in by_gain.items()]
     if caps.device == "cpu" and not (caps.native_bf16 or caps.native_fp16):
-        lines.append("  Half precision is emulated on this CPU: here it only saves memory, and every half level "
-                     "runs slower than O0 (expect 'vs O0' below 1).")
+        lines.append("  Half precision is emulated on this CPU: here it only saves memory, and half levels are "
+                     "expected to run slower than O0 (the tiny demo runs are dominated by fixed costs).")
     elif caps.device == "cpu" and not caps.native_fp16:
         lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5) is the fast path.")
     return lines
