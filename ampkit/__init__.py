@@ -19,6 +19,7 @@ _EXPORTS = {
     "NoEffectWarning": "errors",
     "OPT_LEVELS": "opt_levels", "Properties": "opt_levels",
     "LossScaler": "scaler",
+    "capabilities": "capabilities", "Capabilities": "capabilities",
     "loss_scalers": "health", "step_was_skipped": "health",
     "checkpoint": "", "normalization": "", "parallel": "", "surgery": "", "fp16_utils": "",
     "_amp_state": "apex_state",  # Apex's amp._amp_state, read-only

@@ -20,7 +20,9 @@ def cast_tree(obj, dtype: torch.dtype):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if obj is None or isinstance(obj, (str, bytes, int, float, complex, bool)):
         return obj
-    if isinstance(obj, dict):
+    if type(obj) is dict:  # the common case, and one torch.compile traces without a break
+        return {key: cast_tree(value, dtype) for key, value in obj.items()}
+    if isinstance(obj, dict):  # a dict subclass keeps its type and attributes
         out = copy.copy(obj)
         for key, value in obj.items():
             out[key] = cast_tree(value, dtype)

@@ -1,5 +1,11 @@
 """``python -m ampkit demo``: train the built-in models at every opt level, compare in one table.
 
+By default the demo first says what this machine does natively in half precision
+(:func:`ampkit.capabilities`), then sizes itself to finish in about a minute: a quick probe
+times two steps per model and compute dtype at a sixteenth of the batch, and the steps per
+run (and, on a slow machine, the batch) are chosen from it. ``--steps N`` runs N steps at
+full size instead.
+
 Each (model, level) run trains in its own fresh process (forked from a server that has
 already imported torch), so its peak memory is its own: the resident-set high-water
 mark above the process's resident set just before the model was built (on CUDA: the
@@ -7,6 +13,7 @@ peak of ``torch.cuda.max_memory_allocated``). Steps/s leaves out the first step
 (kernel selection and one-time allocations). Every level starts from the same seeded
 weights and sees the same batches.
 """
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -110,10 +117,28 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _batches(model_name: str):
+def _batch_size(model_name: str, scale: float) -> int:
+    return max(1, round((DEMO_LM.batch if model_name == "lm" else DEMO_CNN["batch"]) * scale))
+
+
+def _lm_shape(scale: float) -> LMConfig:
+    """The LM's batch at ``scale`` times the default tokens: fewer sequences, down to 2, then shorter ones."""
+    batch = max(2, round(DEMO_LM.batch * scale))
+    seq_len = max(8, min(DEMO_LM.seq_len, round(DEMO_LM.seq_len * DEMO_LM.batch * scale / batch)))
+    return dataclasses.replace(DEMO_LM, batch=batch, seq_len=seq_len)
+
+
+def _batches(model_name: str, scale: float = 1.0):
     if model_name == "lm":
-        return lm_batches(DEMO_LM, 8)
-    return image_batches(8, DEMO_CNN["batch"], DEMO_CNN["size"])
+        return lm_batches(_lm_shape(scale), 8)
+    return image_batches(8, _batch_size("cnn", scale), DEMO_CNN["size"])
+
+
+def _size(model_name: str, scale: float) -> str:
+    if model_name == "lm":
+        shape = _lm_shape(scale)
+        return f"{shape.batch}x{shape.seq_len} tokens"
+    return f"{_batch_size(model_name, scale)} images"
 
 
 def _model(model_name: str):
@@ -134,10 +159,14 @@ def _dtypes(tensors) -> str:
     return "+".join(SHORT.get(d, str(d)) for d in sorted(numel, key=numel.get, reverse=True))
 
 
-def train(model_name: str, level: str, steps: int, device: str = "cpu", report: Optional[Callable] = None) -> dict:
-    """Train ``model_name`` at ``level`` for ``steps`` steps; return one row of the table."""
+def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: float = 1.0, threads: int = 0,
+          report: Optional[Callable] = None) -> dict:
+    """Train ``model_name`` at ``level`` for ``steps`` steps on batches ``scale`` times the
+    default size (with ``threads`` CPU threads when positive); return one row of the table."""
+    if threads > 0:
+        torch.set_num_threads(threads)
     dev = torch.device(device)
-    batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name)]
+    batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name, scale)]
     meter = MemoryMeter(dev)
     model, optimizer, loss_fn = _model(model_name)
     model, optimizer = ampkit.initialize(model.to(dev), optimizer, opt_level=level, verbosity=0)
@@ -162,6 +191,7 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", report: 
     return {
         "model": model_name,
         "level": level,
+        "batch": _size(model_name, scale),
         "weights": _dtypes(model.parameters()),
         "compute": SHORT[props.half_dtype] if props.patch_torch_functions else _dtypes(model.parameters()).split("+")[0],
         "masters": "fp32" if optimizer._ampkit.masters else "-",
@@ -233,7 +263,8 @@ class Progress:
         self.stream.flush()
 
 
-def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", progress: bool = True) -> List[dict]:
+def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", progress: bool = True,
+        scale: float = 1.0, threads: int = 0) -> List[dict]:
     """Train every model at every level, each in a fresh process; return the rows."""
     dev = resolve_device(device)
     bar = Progress(len(levels) * len(models), steps) if progress else None
@@ -242,13 +273,76 @@ def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", pro
         for level in levels:
             if bar:
                 bar.start(f"{model_name:3} {level}")
-            rows.append(isolated(train, model_name, level, steps, str(dev), report=bar.step if bar else None))
+            rows.append(isolated(train, model_name, level, steps, str(dev), scale, threads,
+                                 report=bar.step if bar else None))
             if bar:
                 bar.finish()
     for row in rows:
         base = next((r for r in rows if r["model"] == row["model"] and r["level"] == "O0"), None)
         row["speedup"] = row["steps_per_s"] / base["steps_per_s"] if base else None
     return rows
+
+
+# --- sizing the default demo to the machine ---------------------------------------------
+
+BUDGET_S = 30.0  # training time the default demo aims for; imports, probe and forks bring it to about a minute
+RUN_OVERHEAD_S = 0.3  # fork, build and initialize per run, on top of the probed first step
+MIN_STEPS, MAX_STEPS = 10, 30
+PROBE_SCALE = 1 / 16  # the probe's batch, as a share of the demo's
+SCALES = (1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32)
+
+
+def _probe_level(level: str) -> str:
+    """The level whose probe stands for ``level``: the one casting the model to the same compute dtype."""
+    props = ampkit.OPT_LEVELS[level]
+    if level == "O0":
+        return "O0"
+    return "O5" if props.half_dtype == torch.bfloat16 else "O2"
+
+
+def probe(models, levels, device: str, threads: int = 0, report: Optional[Callable] = None) -> Dict[str, List[float]]:
+    """In one process: ``"model level" -> [first step s, later step s]`` for each model and each
+    compute dtype ``levels`` use, 2 steps at ``PROBE_SCALE`` of the batch. The first step's time
+    includes building and initializing the model."""
+    out = {}
+    for model_name in models:
+        for level in sorted({_probe_level(lvl) for lvl in levels}):
+            stamps, start = [], time.perf_counter()
+            train(model_name, level, 2, device, PROBE_SCALE, threads,
+                  report=lambda done: stamps.append(time.perf_counter()))
+            out[f"{model_name} {level}"] = [stamps[0] - start, stamps[1] - stamps[0]]
+    return out
+
+
+def plan(times: Dict[str, List[float]], models, levels, budget: float = BUDGET_S):
+    """(steps, batch scale): the most steps (at most ``MAX_STEPS``) at the largest batch that fit
+    ``budget`` with at least ``MIN_STEPS``; else what fits (at least 3 steps) at the smallest batch."""
+    runs = [times[f"{m} {_probe_level(lvl)}"] for m in models for lvl in levels]
+    steps = MIN_STEPS
+    for scale in SCALES:
+        k = scale / PROBE_SCALE  # step time grows at most linearly with the batch
+        fixed = sum(RUN_OVERHEAD_S + first * k for first, _ in runs)
+        per_step = sum(step * k for _, step in runs)
+        steps = 1 + int((budget - fixed) / per_step) if budget > fixed else 0
+        if steps >= MIN_STEPS:
+            return min(steps, MAX_STEPS), scale
+    return max(3, steps), SCALES[-1]
+
+
+def describe(caps) -> List[str]:
+    """What half precision buys on this device, in plain words."""
+    by_gain: Dict[str, List[str]] = {}
+    for level, gain in caps.levels.items():
+        if level != "O0":
+            by_gain.setdefault(gain, []).append(level)
+    lines = [f"This machine: {caps.line()}"]
+    lines += [f"  {'/'.join(lvls)}: {gain}" for gain, lvls in by_gain.items()]
+    if caps.device == "cpu" and not (caps.native_bf16 or caps.native_fp16):
+        lines.append("  Half precision is emulated on this CPU: here it only saves memory, and half levels are "
+                     "expected to run slower than O0 (the tiny demo runs are dominated by fixed costs).")
+    elif caps.device == "cpu" and not caps.native_fp16:
+        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5) is the fast path.")
+    return lines
 
 
 COLUMNS = [
@@ -267,19 +361,40 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
-def main(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", json_path: Optional[str] = None) -> List[dict]:
-    """Run the demo, print the table (and write ``json_path``); return the rows."""
+def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str = "auto",
+         json_path: Optional[str] = None) -> List[dict]:
+    """Run the demo, print the table (and write ``json_path``); return the rows.
+
+    ``steps=None`` sizes the demo to the machine (see :func:`plan`); a number runs that many
+    steps at the full batch.
+    """
     dev = resolve_device(device)
     info = machine(dev)
-    print(f"ampkit {ampkit.__version__} demo: {steps} steps per run on {info['device']} "
-          f"({info['cpu']}, {info['threads']} threads, torch {info['torch']})", flush=True)
-    rows = run(levels, steps, models, str(dev))
+    caps = ampkit.capabilities(dev)
+    print(f"ampkit {ampkit.__version__} demo on {info['device']} ({info['cpu']}, {info['threads']} threads, "
+          f"torch {info['torch']})", flush=True)
+    print("\n".join(describe(caps)), flush=True)
+    scale, times, threads = 1.0, None, 0
+    if steps is None:
+        load = info["load_average"]
+        if dev.type == "cpu" and load is not None and info["threads"] > 1 and load >= info["cores"]:
+            # Threads of one op wait for each other; on a busy machine each wait can cost a time slice.
+            threads = 1
+            print(f"The machine is busy (load average {load:.1f} on {info['cores']} cores): one thread per run.")
+        started = time.perf_counter()
+        times = isolated(probe, tuple(models), tuple(levels), str(dev), threads)
+        steps, scale = plan(times, models, levels)
+        sizes = ", ".join(f"{m} {_size(m, scale)}" for m in models)
+        print(f"Speed probe ({time.perf_counter() - started:.1f} s): {steps} steps per run, {sizes}, to finish in "
+              f"about a minute (--steps N: N steps at the full batch).", flush=True)
+    rows = run(levels, steps, models, str(dev), scale=scale, threads=threads)
     memory = "peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS of the run's own process above its RSS before the model was built"
     print()
     print(format_table(rows))
     print(f"\nsteps/s: steps 2..{steps} (the first step is warm-up); peak MiB: {memory}.")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"machine": info, "steps": steps, "rows": rows}, f, indent=2)
+            json.dump({"machine": info, "capabilities": dataclasses.asdict(caps), "steps": steps, "batch_scale": scale,
+                       "threads_per_run": threads or info["threads"], "probe": times, "rows": rows}, f, indent=2)
         print(f"wrote {json_path}")
     return rows

@@ -317,6 +317,11 @@ def initialize(
         _current = Session(enabled=False, verbosity=verbosity)
         return _returned(models, optimizers)
 
+    auto_note = None
+    if opt_level == "auto":
+        from .capabilities import auto_level, model_device
+
+        opt_level, auto_note = auto_level(model_device(model_list[0]) or "cpu")
     defaults, props, applied, notes = opt_levels.resolve(
         opt_level,
         cast_model_type=cast_model_type,
@@ -327,6 +332,8 @@ def initialize(
         half_dtype=half_dtype,
         low_precision_layernorm=low_precision_layernorm,
     )
+    if auto_note is not None:
+        notes.insert(0, auto_note)
     if cast_model_outputs is not None and not (
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs in opt_levels.FLOAT_DTYPES
     ):

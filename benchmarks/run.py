@@ -1,6 +1,7 @@
-"""ampkit benchmarks: five families measured side by side in one run, tables to stdout, JSON to a file.
+"""ampkit benchmarks: six families measured side by side in one run, tables to stdout, JSON to a file.
 
-    python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling]
+    python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling,compile]
+                             [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N]
 
 1. overhead: ampkit O1/O4 vs a hand-written torch.autocast + torch.amp.GradScaler loop, and
    O2/O5 vs a hand-written half model + fp32 master loop; per level one fresh process in
@@ -14,6 +15,11 @@
 4. memory: peak RSS per level on the transformer with an activation-heavy batch, one fresh
    process per level. Target: O3 and O5 <= 0.6x O0.
 5. scaling: step time and peak memory of O0 and O5 at x1, x4, x16 parameters.
+6. compile: per level, eager ampkit vs compiled ampkit (the README pattern: compiled model,
+   eager scale_loss, compiled optimizer step) vs the hand-written loop compiled the same way,
+   AdamW, one fresh process per level, the three alternating step by step; then eager vs
+   compiled at O0/O5 on the speed-up family's transformer. Targets: compiled ampkit <= 1.02x
+   compiled hand-written; O5 compiled >= 1.3x O5 eager (transformer, native-bf16 CPU).
 
 ``--quick`` shrinks sizes and repeats to check that everything runs (well under a minute); its
 figures are not valid for the targets. Nothing here runs in the unit tests.
@@ -37,7 +43,7 @@ from ampkit.demo import MemoryMeter, isolated, machine, peak_rss_bytes
 from ampkit.demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
 
 HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
-FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling")
+FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile")
 LR = 0.01
 
 FULL = dict(
@@ -48,6 +54,7 @@ FULL = dict(
     unscale_elements=64 * 2**20, unscale_iters=10,
     memory_lm=LMConfig(vocab=256, d_model=256, n_heads=8, n_layers=4, seq_len=256, batch=32), memory_steps=3,
     scaling_d=(256, 512, 1024), scaling_batch=4, scaling_steps=8,
+    compile_lm=LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16), compile_steps=20,
 )
 QUICK = dict(
     overhead_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=32, batch=8),
@@ -57,6 +64,7 @@ QUICK = dict(
     unscale_elements=8 * 2**20, unscale_iters=3,
     memory_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=8), memory_steps=2,
     scaling_d=(128, 256, 512), scaling_batch=2, scaling_steps=3,
+    compile_lm=LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4), compile_steps=3,
 )
 
 
@@ -79,11 +87,18 @@ def params_of(model) -> int:
 
 # --- the training steps: ampkit and hand-written ---------------------------------------
 
+def make_optimizer(params, kind="sgd"):
+    """SGD with momentum (the default everywhere) or AdamW (the compile family)."""
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=LR / 10, eps=1e-4)  # 1e-8 rounds to 0 in fp16 (O3 steps on fp16)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
 class AmpkitLoop:
     """The README loop."""
 
-    def __init__(self, model, level, loss_fn):
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    def __init__(self, model, level, loss_fn, opt_kind="sgd"):
+        opt = make_optimizer(model.parameters(), opt_kind)
         self.model, self.opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
         self.loss_fn = loss_fn
 
@@ -101,15 +116,15 @@ class AmpkitLoop:
 class AutocastLoop:
     """Hand-written O1/O4: torch.autocast + torch.amp.GradScaler (init scale 2**16 or 1.0)."""
 
-    def __init__(self, model, dtype, init_scale, loss_fn, device):
+    def __init__(self, model, dtype, init_scale, loss_fn, device, opt_kind="sgd"):
         self.model, self.dtype, self.loss_fn, self.device = model, dtype, loss_fn, device
-        self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        self.opt = make_optimizer(model.parameters(), opt_kind)
         self.init_scale = init_scale
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
 
     def step(self, x, y):
         self.opt.zero_grad()
-        with torch.autocast(self.device.type, dtype=self.dtype):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             out = self.model(x)
         loss = self.loss_fn(out.float(), y)
         self.scaler.scale(loss).backward()
@@ -128,7 +143,7 @@ class MasterLoop:
     inf/NaN check, one host read of the flag, skip and back off on overflow (dynamic).
     """
 
-    def __init__(self, model, dtype, scale, dynamic, loss_fn):
+    def __init__(self, model, dtype, scale, dynamic, loss_fn, opt_kind="sgd", masters=True):
         for m in model.modules():
             if not isinstance(m, nn.modules.batchnorm._BatchNorm):
                 for p in m.parameters(recurse=False):
@@ -136,8 +151,9 @@ class MasterLoop:
         self.model, self.dtype, self.loss_fn = model, dtype, loss_fn
         self.half = [p for p in model.parameters() if p.dtype == dtype]
         self.plain = [p for p in model.parameters() if p.dtype != dtype]
-        self.masters = [p.detach().float().requires_grad_() for p in self.half]
-        self.opt = torch.optim.SGD(self.masters + self.plain, lr=LR, momentum=0.9)
+        self.use_masters = masters
+        self.masters = [p.detach().float().requires_grad_() for p in self.half] if masters else self.half
+        self.opt = make_optimizer(self.masters + self.plain, opt_kind)
         self.scale, self.dynamic, self.skips = scale, dynamic, 0
         self.found = torch.zeros(1, device=self.masters[0].device)
 
@@ -147,7 +163,7 @@ class MasterLoop:
         x = x.to(self.dtype) if x.is_floating_point() else x
         loss = self.loss_fn(self.model(x).float(), y)
         (loss * self.scale if self.scale != 1.0 else loss).backward()
-        grads = [p.grad.float() for p in self.half]
+        grads = [p.grad.float() for p in self.half] if self.use_masters else [p.grad for p in self.half]
         self.found.zero_()
         inv = torch.full((), 1.0 / self.scale, device=self.found.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in self.plain], self.found, inv)
@@ -158,18 +174,59 @@ class MasterLoop:
             return
         for m, g in zip(self.masters, grads):
             m.grad = g
+        self.update()
+
+    def update(self):
         self.opt.step()
-        with torch.no_grad():
-            torch._foreach_copy_(self.half, self.masters)
+        if self.use_masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.half, self.masters)
 
     def skipped(self) -> int:
         return self.skips
 
 
-def hand_loop(level, model, loss_fn, device):
+def hand_loop(level, model, loss_fn, device, opt_kind="sgd"):
+    if level == "O0":  # fp32, GradScaler at scale 1.0: the same inf/NaN check and skip as ampkit's O0
+        return AutocastLoop(model, None, 1.0, loss_fn, device, opt_kind)
     if level in ("O1", "O4"):
-        return AutocastLoop(model, HALF[level], 2.0**16 if level == "O1" else 1.0, loss_fn, device)
-    return MasterLoop(model, HALF[level], 2.0**16 if level == "O2" else 1.0, level == "O2", loss_fn)
+        return AutocastLoop(model, HALF[level], 2.0**16 if level == "O1" else 1.0, loss_fn, device, opt_kind)
+    if level == "O3":  # pure half, no masters: the optimizer steps on the half weights
+        return MasterLoop(model, HALF[level], 1.0, False, loss_fn, opt_kind, masters=False)
+    return MasterLoop(model, HALF[level], 2.0**16 if level == "O2" else 1.0, level == "O2", loss_fn, opt_kind)
+
+
+# --- compiled loops (the README's pattern): compiled model, eager loss scaling, compiled step ---
+
+class CompiledAmpkitLoop(AmpkitLoop):
+    def __init__(self, model, level, loss_fn, opt_kind="adamw"):
+        super().__init__(model, level, loss_fn, opt_kind)
+        self.forward = torch.compile(self.model, fullgraph=True)
+        opt = self.opt
+
+        @torch.compile
+        def update():
+            opt.step()
+
+        self.update = update
+
+    def step(self, x, y):
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.forward(x), y)
+        with ampkit.scale_loss(loss, self.opt) as scaled:
+            scaled.backward()
+        self.update()
+
+
+def compiled_hand_loop(level, model, loss_fn, device, opt_kind="adamw"):
+    """The hand-written loop of ``level`` with its model and its optimizer update compiled the same way."""
+    loop = hand_loop(level, model, loss_fn, device, opt_kind)
+    loop.model = torch.compile(loop.model, fullgraph=True)
+    if isinstance(loop, AutocastLoop):
+        loop.opt.step = torch.compile(loop.opt.step)  # GradScaler.step calls it when the grads are finite
+    else:
+        loop.update = torch.compile(loop.update)
+    return loop
 
 
 # --- 1. front-end overhead ------------------------------------------------------------
@@ -298,6 +355,65 @@ def bench_scaling(cfg, device, threads):
     return {"lm": f"n_layers=4, seq_len=128, batch={cfg['scaling_batch']}, vocab={base.vocab}", "rows": rows}
 
 
+# --- 6. torch.compile: eager vs compiled ampkit vs compiled hand-written -----------------
+
+def compile_worker(level, spec, steps, warmup, device, threads, variants, report=None):
+    """In a fresh process: the loops of ``variants`` at ``level`` on the LM ``spec`` (AdamW),
+    compiled ones warmed up (compiled) first, then alternating step by step, order rotated."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(threads)
+    device = torch.device(device)
+    batches = [(x.to(device), y.to(device)) for x, y in lm_batches(spec, 2)]
+    build = {
+        "eager": lambda m: AmpkitLoop(m, level, lm_loss, "adamw"),
+        "ampkit": lambda m: CompiledAmpkitLoop(m, level, lm_loss),
+        "hand": lambda m: compiled_hand_loop(level, m, lm_loss, device),
+    }
+    loops, first_s, breaks = {}, {}, {}
+    for name in variants:
+        torch.manual_seed(0)
+        loops[name] = build[name](TinyLM(spec).to(device))
+        counters.clear()
+        first_s[name] = sum(timed(loops[name].step, device, *batches[i % 2]) for i in range(warmup))
+        breaks[name] = sum(counters["graph_break"].values())
+    times = {name: [] for name in variants}
+    for i in range(steps):
+        order = variants[i % len(variants):] + variants[: i % len(variants)]
+        for name in order:
+            times[name].append(timed(loops[name].step, device, *batches[i % 2]))
+    ms = {name: 1e3 * median(t) for name, t in times.items()}
+    row = {"level": level, "steps_per_variant": steps, "warmup_s": first_s, "graph_breaks": breaks,
+           **{f"{name}_ms": v for name, v in ms.items()}}
+    if "ampkit" in ms and "eager" in ms:
+        row["compiled_speedup"] = ms["eager"] / ms["ampkit"]
+    if "ampkit" in ms and "hand" in ms:
+        row["ratio"] = ms["ampkit"] / ms["hand"]
+    return row
+
+
+def bench_compile(cfg, device, threads, levels):
+    """Per level: eager ampkit, compiled ampkit, compiled hand-written, one process each level;
+    then eager vs compiled ampkit at O0 and O5 on the speed-up family's transformer."""
+    lm, big = cfg["compile_lm"], cfg["speed_lm"]
+    rows = [isolated(compile_worker, lvl, lm, cfg["compile_steps"], 3, str(device), threads, ("eager", "ampkit", "hand"))
+            for lvl in levels]
+    big_rows = [isolated(compile_worker, lvl, big, cfg["speed_steps"], 3, str(device), threads, ("eager", "ampkit"))
+                for lvl in ("O0", "O5")]
+    return {"model": f"TinyLM {vars(lm)}", "params": params_of(TinyLM(lm)), "rows": rows,
+            "transformer": f"TinyLM {vars(big)}", "transformer_rows": big_rows, "optimizer": "AdamW"}
+
+
+def compile_levels(choice: str, device) -> list:
+    """``all``, a comma-separated list, or ``native``: O0 and the levels that run natively fast here."""
+    if choice == "all":
+        return list(ampkit.OPT_LEVELS)
+    if choice == "native":
+        caps = ampkit.capabilities(device)
+        return [lvl for lvl, gain in caps.levels.items() if lvl == "O0" or gain == "speed and memory"]
+    return choice.split(",")
+
+
 # --- 3. unscale + overflow check; host syncs ------------------------------------------
 
 def _unscale_once(opt, params, grads):
@@ -307,6 +423,30 @@ def _unscale_once(opt, params, grads):
         for p, g in zip(params, grads):
             p.grad = g
     opt.zero_grad()
+
+
+def _inductor_kernel(dst, src, inv, flag):
+    """What a one-pass kernel would do: half -> fp32, times ``inv``, non-finite flag."""
+    x = src.float()
+    dst.copy_(x * inv)
+    flag.copy_(torch.maximum(flag, (~torch.isfinite(x)).any().float()))
+
+
+def inductor_unscale(dsts, srcs, device):
+    """Seconds per call of ``_inductor_kernel`` compiled by inductor (one kernel for every size),
+    over the tensors one by one, or None when it cannot be compiled here (no C++ compiler)."""
+    try:
+        kernel = torch.compile(_inductor_kernel, dynamic=True, fullgraph=True)
+        flag, inv = torch.zeros(1, device=device), torch.full((), 0.5, device=device)
+        kernel(dsts[0], srcs[0], inv, flag)
+    except Exception as e:  # noqa: BLE001 - any compiler failure means "not available here"
+        print(f"  unscale: inductor kernel unavailable ({type(e).__name__}); row left out", file=sys.stderr)
+        return None
+
+    def run():
+        for d, s in zip(dsts, srcs):
+            kernel(d, s, inv, flag)
+    return run
 
 
 def bench_unscale(cfg, device):
@@ -324,12 +464,19 @@ def bench_unscale(cfg, device):
         dst = torch.empty_like(src)
         # The floor of any master-weight path: the bare half -> fp32 conversion copy.
         wide = torch.empty(n, device=device) if dtype != torch.float32 else None
-        t_amp, t_copy, t_wide = [], [], []
+        # The one-pass kernel stock torch lacks, generated by inductor, into reused fp32 buffers.
+        fused = None
+        if wide is not None:
+            fused_out = [torch.empty(g.shape, device=device) for g in grads]
+            fused = inductor_unscale(fused_out, grads, device)
+        t_amp, t_copy, t_wide, t_fused = [], [], [], []
         for _ in range(cfg["unscale_iters"]):
             t_amp.append(timed(_unscale_once, device, opt, params, grads))
             t_copy.append(timed(dst.copy_, device, src))
             if wide is not None:
                 t_wide.append(timed(wide.copy_, device, src))
+            if fused is not None:
+                t_fused.append(timed(fused, device))
         gb = n * src.element_size() / 1e9
         rows.append({
             "level": level, "grad_dtype": str(dtype).replace("torch.", ""), "elements": n, "tensors": chunks,
@@ -337,6 +484,8 @@ def bench_unscale(cfg, device):
             "ampkit_GBps": gb / median(t_amp), "copy_GBps": gb / median(t_copy),
             "ratio": median(t_copy) / median(t_amp),
             "vs_conversion": None if wide is None else median(t_wide) / median(t_amp),
+            "conversion_ratio": None if wide is None else median(t_copy) / median(t_wide),
+            "inductor_ratio": median(t_copy) / median(t_fused) if t_fused else None,
         })
         del model, opt, params, grads, src, dst, wide
     return {"rows": rows, "syncs": count_syncs(device)}
@@ -426,7 +575,9 @@ def report(results, quick):
                     ("level", "level", "{}"), ("grads", "grad_dtype", "{}"), ("elements", lambda x: x["elements"] / 1e6, "{:.1f}M"),
                     ("path", "path", "{}"), ("ampkit GB/s", "ampkit_GBps", "{:.2f}"), ("copy GB/s", "copy_GBps", "{:.2f}"),
                     ("ratio", "ratio", "{:.2f}"),
-                    ("vs half->fp32 copy", lambda x: "-" if x["vs_conversion"] is None else f"{x['vs_conversion']:.2f}", "{}")]),
+                    ("vs half->fp32 copy", lambda x: "-" if x["vs_conversion"] is None else f"{x['vs_conversion']:.2f}", "{}"),
+                    ("half->fp32 copy / copy", "conversion_ratio", "{:.2f}"),
+                    ("inductor one-pass / copy", "inductor_ratio", "{:.2f}")]),
                 "\n3b. Host syncs per training step (counted at the dispatcher: _local_scalar_dense, nonzero, masked_select)",
                 table(r["syncs"], [(k, k, "{:g}") for k in r["syncs"][0]])]
     if "memory" in results:
@@ -440,6 +591,20 @@ def report(results, quick):
             ("d_model", "d_model", "{}"), ("params", lambda x: x["params"] / 1e6, "{:.1f}M"), ("size", "size", "x{:.1f}"),
             ("level", "level", "{}"), ("ms/step", "step_ms", "{:.1f}"), ("vs O0", "speedup", "{:.2f}x"),
             ("peak MiB", "peak_mib", "{:.0f}"), ("mem vs O0", "mem_vs_O0", "{:.2f}x")])]
+    if "compile" in results:
+        r = results["compile"]
+        out += [f"\n6. torch.compile ({r['model']}, {r['params'] / 1e6:.2f}M params, {r['optimizer']}; compiled model "
+                f"(fullgraph) + eager scale_loss + compiled optimizer step; variants alternate step by step)",
+                table(r["rows"], [
+                    ("level", "level", "{}"), ("eager ms", "eager_ms", "{:.2f}"), ("compiled ampkit ms", "ampkit_ms", "{:.2f}"),
+                    ("compiled hand ms", "hand_ms", "{:.2f}"), ("ampkit / hand", "ratio", "{:.3f}"),
+                    ("compiled vs eager", "compiled_speedup", "{:.2f}x"),
+                    ("graph breaks a/h", lambda x: f"{x['graph_breaks']['ampkit']}/{x['graph_breaks']['hand']}", "{}"),
+                    ("compile s a/h", lambda x: f"{x['warmup_s']['ampkit']:.0f}/{x['warmup_s']['hand']:.0f}", "{}")]),
+                f"\n   transformer ({r['transformer']})",
+                table(r["transformer_rows"], [
+                    ("level", "level", "{}"), ("eager ms", "eager_ms", "{:.1f}"), ("compiled ampkit ms", "ampkit_ms", "{:.1f}"),
+                    ("compiled vs eager", "compiled_speedup", "{:.2f}x")])]
     targets = check_targets(results)
     if targets:
         out += ["\nTargets" + (" (--quick: sizes too small, not valid for the targets)" if quick else ""),
@@ -464,6 +629,14 @@ def check_targets(results):
         for row in results["memory"]["rows"]:
             if row["level"] in ("O3", "O5"):
                 t.append({"target": f"{row['level']} peak memory <= 0.6x O0", "measured": f"{row['vs_O0']:.2f}x", "met": row["vs_O0"] <= 0.6})
+    if "compile" in results:
+        for row in results["compile"]["rows"]:
+            t.append({"target": f"{row['level']} compiled ampkit / compiled hand-written <= 1.02",
+                      "measured": f"{row['ratio']:.3f}", "met": row["ratio"] <= 1.02})
+        o5 = next((r for r in results["compile"]["transformer_rows"] if r["level"] == "O5"), None)
+        if o5 is not None:
+            t.append({"target": "O5 compiled >= 1.3x O5 eager (transformer, native bf16 CPU)",
+                      "measured": f"{o5['compiled_speedup']:.2f}x", "met": o5["compiled_speedup"] >= 1.3})
     return t
 
 
@@ -474,6 +647,9 @@ def main(argv=None):
     p.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
+    p.add_argument("--compile-levels", default="native",
+                   help="levels of the compile family: native (O0 and those ampkit.capabilities() calls fast here; "
+                        "the default), all, or a comma-separated list")
     args = p.parse_args(argv)
     only = args.only.split(",")
     unknown = set(only) - set(FAMILIES)
@@ -489,6 +665,7 @@ def main(argv=None):
         "unscale": lambda: bench_unscale(cfg, device),
         "memory": lambda: bench_memory(cfg, device, args.threads),
         "scaling": lambda: bench_scaling(cfg, device, args.threads),
+        "compile": lambda: bench_compile(cfg, device, args.threads, compile_levels(args.compile_levels, device)),
     }
     results, started = {}, time.perf_counter()
     for family in FAMILIES:

@@ -46,3 +46,11 @@ def test_cast_module_leaves_mixed_norms_float32():
     assert model[1].weight.dtype == torch.float32
     assert model[2].weight.dtype == torch.bfloat16 and model[0].weight.dtype == torch.bfloat16
     assert model(torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_cast_tree_dict_subclass_keeps_its_type():
+    src = collections.OrderedDict(a=torch.ones(1), b=collections.defaultdict(int, c=torch.ones(1)))
+    out = cast_tree(src, torch.float16)
+    assert type(out) is collections.OrderedDict and type(out["b"]) is collections.defaultdict
+    assert out["a"].dtype == out["b"]["c"].dtype == torch.float16 and out["b"]["missing"] == 0
+    assert src["a"].dtype == torch.float32

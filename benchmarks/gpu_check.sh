@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CUDA check, for a machine with a CUDA GPU (none was available when this was written):
+#   1. the CUDA test matrix: every device-parametrized test's cuda case and every test marked
+#      `cuda` (pytest -k cuda: the keyword matches both), multi-process tests left out;
+#   2. the benchmark families on CUDA (compile family at O0, O2, O5), JSON and tables;
+#   3. the demo on CUDA with its default sizing.
+# Everything lands in OUT (default benchmarks/results/gpu); a summary in OUT/summary.json.
+# Exits non-zero when there is no CUDA device, a test fails, or a step crashes or runs over its
+# time limit (the limits add up to under 8 minutes). Missed benchmark targets are reported in
+# the tables and JSON, not turned into a failure.
+#
+#   bash benchmarks/gpu_check.sh [OUT]        # PYTHON=/path/to/python to pick the interpreter
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+OUT=${1:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to torch ($("$PY" -c 'import torch; print(torch.__version__)'))" >&2
+    exit 2
+fi
+"$PY" -c "import torch, ampkit; print(ampkit.capabilities('cuda').summary())" | tee "$OUT/capabilities.txt"
+
+declare -A STATUS
+run_step() {  # name, seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    STATUS[$name]=$?
+    echo "gpu_check: $name exit ${STATUS[$name]} in $((SECONDS - start)) s (log: $OUT/$name.log)"
+}
+
+run_step tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -k cuda --junitxml "$OUT/tests.xml" tests
+run_step benchmarks 270 "$PY" benchmarks/run.py --device cuda --compile-levels O0,O2,O5 --json "$OUT/benchmarks.json"
+run_step demo 60 "$PY" -m ampkit demo --device cuda --json "$OUT/demo.json"
+
+failed=0
+summary="{"
+for name in tests benchmarks demo; do
+    summary+="\"$name\": ${STATUS[$name]}, "
+    [ "${STATUS[$name]}" -ne 0 ] && failed=1
+done
+summary+="\"failed\": $failed}"
+echo "$summary" > "$OUT/summary.json"
+echo "gpu_check: $summary"
+exit $failed
