@@ -2,20 +2,24 @@
 import contextlib
 import itertools
 import logging
+import warnings
 from typing import List, Optional
 
 import torch
 from torch import nn
 
-from . import opt_levels
+from . import float8, opt_levels, transient_update
 from .casting import cast_module_
+from .errors import NoEffectWarning
 from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
 from .scaler import LossScaler
+from .stochastic_rounding import StochasticRounder
 
 logger = logging.getLogger("ampkit")
 
 _current = None  # the Session of the latest initialize()
+ROUNDING_KEY = "stochastic_rounding"  # ampkit.state_dict() entry of the rounding generators
 _reported = set()  # one-time notes already logged in this process
 
 
@@ -40,6 +44,7 @@ class Session:
         self.verbosity = verbosity
         self.device_type = device_type
         self.floor_warned = set()
+        self.rounding: Optional[StochasticRounder] = None  # at update_rounding="stochastic"
 
     def log(self, msg: str, *args, level: int = logging.INFO) -> None:
         if self.verbosity > 0:
@@ -225,6 +230,10 @@ def initialize(
     loss_scale_hysteresis: int = 1,
     ddp: bool = False,
     ddp_kwargs: Optional[dict] = None,
+    update_rounding=None,
+    optimizer_state_dtype=None,
+    fp8=None,
+    fp8_exclude=None,
 ):
     """Prepare models and optimizers for mixed precision at ``opt_level`` (see ``ampkit levels``).
 
@@ -257,6 +266,9 @@ def initialize(
         loss_scale=loss_scale,
         half_dtype=half_dtype,
         low_precision_layernorm=low_precision_layernorm,
+        update_rounding=update_rounding,
+        optimizer_state_dtype=optimizer_state_dtype,
+        fp8=fp8,
     )
     if cast_model_outputs is not None and not (
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs in opt_levels.FLOAT_DTYPES
@@ -280,6 +292,11 @@ def initialize(
             "torch.distributed.init_process_group(...) first (torchrun sets up the environment)."
         )
     _check_models(model_list)
+    if props.fp8:
+        float8.require()
+        fp8_exclude = float8.check_exclude(model_list, fp8_exclude)
+    elif fp8_exclude is not None:
+        warnings.warn(f"initialize(fp8_exclude=...) has no effect at {props.opt_level}: fp8 is off.", NoEffectWarning, stacklevel=2)
 
     cast_to_half = props.cast_model_type in opt_levels.HALF_DTYPES
     use_masters = bool(props.master_weights) and cast_to_half
@@ -291,14 +308,20 @@ def initialize(
     # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).
     originals = {p: p.data for m in model_list for p in m.parameters()} if use_masters else {}
     for m in model_list:
+        if props.fp8:
+            float8.convert_(m, props.fp8, fp8_exclude, session.log)
         _prepare_model(m, props, cast_model_outputs)
     model_states = [m._ampkit for m in model_list]
     session.scalers = [
         LossScaler(props.loss_scale, min_loss_scale=min_scale, max_loss_scale=max_scale, hysteresis=loss_scale_hysteresis)
         for _ in range(num_losses)
     ]
+    if props.update_rounding == "stochastic":
+        session.rounding = StochasticRounder()
     for opt in opt_list:
         OptimizerState(opt, session, use_masters, model_states, originals).attach()
+        if props.update_rounding:
+            transient_update.attach(opt._ampkit, props.update_rounding, session.rounding, props.optimizer_state_dtype)
     originals.clear()
     _current = session
     _report(session, defaults, applied, notes, opt_list, use_masters)
@@ -448,11 +471,14 @@ def master_params(optimizer):
 
 
 def state_dict(destination=None) -> dict:
-    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``."""
+    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``,
+    plus ``"stochastic_rounding"`` (the rounding generators) at update_rounding="stochastic"."""
     session = current_session("ampkit.state_dict()")
     out = {} if destination is None else destination
     for i, s in enumerate(session.scalers):
         out[f"loss_scaler{i}"] = s.state_dict()
+    if session.rounding is not None:
+        out[ROUNDING_KEY] = session.rounding.state_dict()
     return out
 
 
@@ -461,9 +487,11 @@ def load_state_dict(state: dict) -> None:
     session = current_session("ampkit.load_state_dict()")
     if not isinstance(state, dict):
         raise TypeError(f"ampkit.load_state_dict(state): expected a dict, got {type(state).__name__}.")
+    rounding = state.get(ROUNDING_KEY)
+    state = {k: v for k, v in state.items() if k != ROUNDING_KEY}
     bad = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler") and k[11:].isdigit())]
     if bad:
-        raise ValueError(f"ampkit.load_state_dict: unexpected key(s) {bad}; expected 'loss_scaler0', 'loss_scaler1', ...")
+        raise ValueError(f"ampkit.load_state_dict: unexpected key(s) {bad}; expected 'loss_scaler0', 'loss_scaler1', ..., {ROUNDING_KEY!r}")
     n = len(session.scalers)
     if len(state) != n or any(f"loss_scaler{i}" not in state for i in range(n)):
         raise ValueError(
@@ -472,5 +500,12 @@ def load_state_dict(state: dict) -> None:
         )
     for key, value in state.items():
         LossScaler.check_state(key, value)
+    if rounding is not None:
+        StochasticRounder.check_state(ROUNDING_KEY, rounding)
+        if session.rounding is None:
+            warnings.warn(f"ampkit.load_state_dict: {ROUNDING_KEY!r} has no effect: nothing rounds updates "
+                          f"stochastically in this run.", NoEffectWarning, stacklevel=2)
     for i, s in enumerate(session.scalers):
         s.load_state_dict(state[f"loss_scaler{i}"])
+    if rounding is not None and session.rounding is not None:
+        session.rounding.load_state_dict(rounding)

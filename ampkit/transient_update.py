@@ -1,0 +1,165 @@
+"""Half weights without fp32 masters: each step is computed in fp32 and rounded back.
+
+At levels with ``update_rounding`` (O7) the optimizer holds the model's half parameters and
+any ``torch.optim`` optimizer steps on them through :class:`TransientUpdate`, chunk by
+chunk: a chunk's half parameters and gradients get float32 copies, which the optimizer
+steps on in their place (its state is keyed by the copies for that call); the results are
+rounded back into the half weights, stochastically (``"stochastic"``) or to nearest. The
+copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMENTS`
+(a larger single tensor is its own chunk), and nothing fp32 persists but the optimizer
+state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
+(those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
+same way. Float32 parameters (BatchNorm kept fp32) are stepped as they are.
+
+The optimizer must update each parameter from its own gradient and state (every
+``torch.optim`` optimizer but LBFGS does): it is called once per chunk, seeing only that
+chunk's gradients.
+"""
+import types
+from typing import Callable, List, Optional
+
+import torch
+
+from .opt_levels import HALF_DTYPES
+from .stochastic_rounding import StochasticRounder
+
+CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
+
+
+def chunks(slots, limit: int) -> List[list]:
+    """``slots`` (``(group, index, param)``) split into runs of at most ``limit`` half elements;
+    float32 parameters join the first chunk, so each is stepped exactly once."""
+    out, size = [[]], 0
+    for slot in slots:
+        p = slot[2]
+        if p.dtype not in HALF_DTYPES:
+            out[0].append(slot)
+            continue
+        if size and size + p.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(slot)
+        size += p.numel()
+    return [c for c in out if c]
+
+
+class TransientUpdate:
+    """Replaces the optimizer's own ``step`` inside ampkit's wrapped ``step`` (after the
+    overflow check, so a skipped step never reaches it: weights, optimizer state and the
+    rounding generators stay untouched)."""
+
+    def __init__(self, optimizer, step: Callable, rounding: str, rounder: Optional[StochasticRounder],
+                 state_dtype: Optional[torch.dtype]):
+        self.optimizer = optimizer
+        self.step = step
+        self.rounding = rounding
+        self.rounder = rounder
+        self.state_dtype = state_dtype
+
+    def round_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.rounding == "stochastic" and dst.dtype == torch.bfloat16:
+            self.rounder.round_(dst, src)
+        else:
+            dst.copy_(src)
+
+    def __call__(self):
+        opt = self.optimizer
+        slots = [(g, i, p) for g in opt.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
+        grads = {p: p.grad for _, _, p in slots}
+        for p in grads:
+            p.grad = None  # each chunk's step sees only its own gradients
+        result = None
+        try:
+            for chunk in chunks(slots, CHUNK_ELEMENTS):
+                result = self._step_chunk(chunk, grads)
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+        return result
+
+    def _step_chunk(self, chunk, grads):
+        opt, swapped = self.optimizer, []
+        try:
+            for group, i, p in chunk:
+                if p.dtype not in HALF_DTYPES:
+                    p.grad = grads[p]
+                    continue
+                f = p.detach().float()
+                f.grad = grads[p].float()
+                group["params"][i] = f
+                state = opt.state.pop(p, None)
+                if state is not None:
+                    opt.state[f] = self._widen(state, p)
+                swapped.append((group, i, p, f))
+            result = self.step()
+            with torch.no_grad():
+                for _, _, p, f in swapped:
+                    self.round_(p, f)
+            return result
+        finally:
+            for group, i, p, f in swapped:
+                group["params"][i] = p
+                state = opt.state.pop(f, None)
+                if state is not None:
+                    opt.state[p] = self._narrow(state, p, self.round_)
+            for group, i, p in chunk:
+                p.grad = None
+
+    def _widen(self, state: dict, p: torch.Tensor) -> dict:
+        for k, v in state.items():
+            if _elementwise(k, v, p) and v.dtype != torch.float32:
+                state[k] = v.float()
+        return state
+
+    def _narrow(self, state: dict, p: torch.Tensor, round_) -> dict:
+        if self.state_dtype is None or self.state_dtype == torch.float32:
+            return state
+        for k, v in state.items():
+            if _elementwise(k, v, p) and v.dtype != self.state_dtype:
+                out = torch.empty_like(v, dtype=self.state_dtype)
+                with torch.no_grad():
+                    round_(out, v.float())
+                state[k] = out
+        return state
+
+    def load_state_dict(self, load: Callable, state_dict: dict) -> None:
+        """``optimizer.load_state_dict``: torch casts loaded state to each parameter's dtype,
+        which would round fp32 state to half; the half parameters are shown to it as fp32
+        stand-ins, and the state is re-keyed (and stored as ``state_dtype``) afterwards."""
+        opt, real = self.optimizer, {}
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.dtype in HALF_DTYPES:
+                    stand_in = torch.empty(0, dtype=torch.float32, device=p.device)
+                    real[stand_in] = p
+                    group["params"][i] = stand_in
+        try:
+            load(state_dict)
+        finally:
+            for group in opt.param_groups:
+                group["params"] = [real.get(p, p) for p in group["params"]]
+            for stand_in, p in real.items():
+                state = opt.state.pop(stand_in, None)
+                if state is not None:
+                    opt.state[p] = self._narrow(state, p, _copy_)  # exact for saved half state, no draws
+
+
+def _copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _elementwise(key, value, p: torch.Tensor) -> bool:
+    return key != "step" and torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape
+
+
+def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state_dtype: Optional[torch.dtype]) -> None:
+    """Make ``opt_state``'s optimizer step through a :class:`TransientUpdate`."""
+    opt = opt_state.optimizer
+    update = TransientUpdate(opt, opt_state._step, rounding, rounder, state_dtype)
+    opt_state._step = update
+    load = opt.load_state_dict
+    opt.load_state_dict = types.MethodType(lambda self, sd: update.load_state_dict(load, sd), opt)
+    for group in opt.param_groups:  # state the optimizer already had, stored as state_dtype
+        for p in group["params"]:
+            if p in opt.state:
+                opt.state[p] = update._narrow(opt.state[p], p, _copy_)
