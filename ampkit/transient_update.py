@@ -93,15 +93,17 @@ class TransientUpdate:
                 swapped.append((group, i, p, f))
             result = self.step()
             with torch.no_grad():
-                for _, _, p, f in swapped:
-                    self.round_(p, f)
+                for _, _, p, f in swapped:  # weight then state, parameter by parameter: the
+                    self.round_(p, f)  # rounding draws do not depend on the chunk boundaries
+                    if f in opt.state:
+                        self._narrow(opt.state[f], p, self.round_)
             return result
         finally:
             for group, i, p, f in swapped:
                 group["params"][i] = p
                 state = opt.state.pop(f, None)
                 if state is not None:
-                    opt.state[p] = self._narrow(state, p, self.round_)
+                    opt.state[p] = state
             for group, i, p in chunk:
                 p.grad = None
 
