@@ -28,7 +28,7 @@ def test_levels_in_process(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--levels", "O7"], "unknown opt level"),
+    (["demo", "--levels", "O9"], "unknown opt level"),
     (["demo", "--levels", "01"], "did you mean 'O1'"),
     (["demo", "--steps", "0"], "expected a positive integer"),
     (["demo", "--model", "rnn"], "invalid choice"),
