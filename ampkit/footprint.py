@@ -23,7 +23,8 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> Dict[str, int]:
     """Bytes by kind (``weights``, ``buffers``, ``masters``, ``optimizer_state``,
-    ``grad_buffers``) and ``total``; ``params`` is the number of model parameters."""
+    ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
+    ``optimizer_scalars`` is the part of ``optimizer_state`` in one-element tensors."""
     weights = [p for m in models for p in m.parameters()]
     seen = _storages(weights)
     kinds = {"weights": sum(seen.values())}
@@ -39,6 +40,9 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
     kinds["grad_buffers"] = new(b for o in optimizers for b in getattr(getattr(o, "_ampkit", None), "_grad_buffers", {}).values())
     kinds["total"] = sum(kinds.values())
     kinds["params"] = sum(p.numel() for p in {id(p): p for p in weights}.values())
+    kinds["optimizer_scalars"] = sum(  # part of optimizer_state: one-element entries (Adam's step)
+        v.untyped_storage().nbytes() for o in optimizers for st in o.state.values() for v in st.values()
+        if torch.is_tensor(v) and v.numel() == 1)
     return kinds
 
 

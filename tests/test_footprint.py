@@ -28,4 +28,5 @@ def test_adamw_bytes_per_parameter(level, overrides, weights, masters, state):
     assert got["params"] == n and got["buffers"] == 0 and got["grad_buffers"] == 0
     assert (got["weights"], got["masters"]) == (weights * n, masters * n)
     assert got["optimizer_state"] == state * n + 4 * tensors  # exp_avg and exp_avg_sq, and a float32 step per tensor
+    assert got["optimizer_scalars"] == 4 * tensors
     assert bytes_per_param([model], [opt]) == pytest.approx(weights + masters + state, abs=0.05)
