@@ -12,6 +12,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],
         "bench": ["matplotlib>=3.5"],
+        "fp8": ["torchao==0.18.0"],  # O6 / fp8=True; this release works with torch 2.13
     },
     entry_points={"console_scripts": ["ampkit=ampkit.cli:main"]},
 )

@@ -12,12 +12,13 @@ keep their keys (and, with master weights, their float32 values). ``fp8=True`` u
 device's fp8 matmul (``torch._scaled_mm``) where it has one and emulates it elsewhere;
 ``fp8="emulate"`` always emulates. torchao is the optional extra ``ampkit[fp8]``.
 """
+import importlib.util
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-__all__ = ["EXTRA", "require", "check_exclude", "eligible", "has_fp8_matmul", "convert_"]
+__all__ = ["EXTRA", "available", "require", "check_exclude", "eligible", "has_fp8_matmul", "convert_"]
 
 EXTRA = "ampkit[fp8]"  # installs torchao==0.18.0 (see setup.py)
 MULTIPLE = 16
@@ -36,6 +37,11 @@ def require():
             f"pip install '{EXTRA}' (or from a checkout: pip install -e \".[fp8]\"). Importing it failed: {e}"
         ) from e
     return float8
+
+
+def available() -> bool:
+    """Whether torchao is installed (without importing it)."""
+    return importlib.util.find_spec("torchao") is not None
 
 
 def check_exclude(models: List[nn.Module], exclude: Exclude):
