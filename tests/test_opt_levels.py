@@ -138,3 +138,24 @@ def test_o7_with_masters_or_without_rounding_falls_back_quietly():
     assert final.update_rounding is None and notes == []
     _, final, _, notes = resolve("O7", update_rounding=False, optimizer_state_dtype=torch.bfloat16)
     assert final.update_rounding is None and final.optimizer_state_dtype is None and len(notes) == 1
+
+
+def test_readme_table_matches_opt_levels():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text().split("## Opt levels", 1)[1]
+    lines = [ln for ln in text.split("\n\n", 2)[1].splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {cells[0]: dict(zip(head, cells)) for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:])}
+    assert list(rows) == list(OPT_LEVELS)
+
+    def show(v):
+        if v is HALF_DTYPE:
+            return "half_dtype"
+        if isinstance(v, torch.dtype):
+            return str(v).replace("torch.", "")
+        return f'"{v}"' if isinstance(v, str) else str(v)
+    for level, p in OPT_LEVELS.items():
+        for name in head[1:]:
+            want = "—" if name == "half_dtype" and p.half_dtype is None else show(getattr(p, name))
+            assert rows[level][name] == want, (level, name)
