@@ -232,3 +232,16 @@ def test_rounding_state_without_stochastic_rounding_is_a_no_effect_warning():
     with pytest.warns(ampkit.NoEffectWarning, match="stochastic_rounding"):
         ampkit.load_state_dict(state)
     assert "stochastic_rounding" not in ampkit.state_dict()
+
+
+def test_checkpoint_files_carry_the_rounding_state(tmp_path):
+    data = batches(4)
+    straight, straight_opt = o7()
+    train(straight, straight_opt, data)
+    first, first_opt = o7()
+    train(first, first_opt, data[:2])
+    ampkit.checkpoint.save(tmp_path / "run.ckpt", first, first_opt)
+    train(first, first_opt, data[2:3])  # moves the generators on: the load must bring them back
+    ampkit.checkpoint.load(tmp_path / "run.ckpt", first, first_opt)
+    train(first, first_opt, data[2:])
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), first.parameters()))
