@@ -146,6 +146,12 @@ class TransientUpdate:
                     opt.state[p] = self._narrow(state, p, _copy_)  # exact for saved half state, no draws
 
 
+def _load_state_dict(optimizer, state_dict: dict) -> None:
+    """``optimizer.load_state_dict()`` at update_rounding levels: see :meth:`TransientUpdate.load_state_dict`."""
+    update = optimizer._ampkit._step
+    update.load_state_dict(update.load, state_dict)
+
+
 def _copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
@@ -159,8 +165,8 @@ def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state
     opt = opt_state.optimizer
     update = TransientUpdate(opt, opt_state._step, rounding, rounder, state_dtype)
     opt_state._step = update
-    load = opt.load_state_dict
-    opt.load_state_dict = types.MethodType(lambda self, sd: update.load_state_dict(load, sd), opt)
+    update.load = opt.load_state_dict
+    opt.load_state_dict = types.MethodType(_load_state_dict, opt)
     for group in opt.param_groups:  # state the optimizer already had, stored as state_dtype
         for p in group["params"]:
             if p in opt.state:
