@@ -45,14 +45,17 @@ VARIANTS = {  # name: (level, overrides)
 FP8_VARIANTS = {"O5": ("O5", {}), "O6 emulated": ("O6", {"fp8": "emulate"}), "O6 _scaled_mm": ("O6", {"fp8": True})}
 
 
-def train_worker(spec, level, overrides, lr, steps, threads, report=None):
-    """In a fresh process: AdamW on the LM at ``level``; losses, step times, persistent bytes."""
+def train_worker(spec, level, overrides, lr, steps, threads, seed=0, report=None):
+    """In a fresh process: AdamW on the LM at ``level`` (rounding ``seed`` where it rounds
+    stochastically); losses, step times, persistent bytes."""
     torch.set_num_threads(threads)
     batches = lm_batches(spec, 8)
     torch.manual_seed(0)
     model = TinyLM(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+    if seed:
+        ampkit.stochastic_rounding.manual_seed(seed)
     losses, times = [], []
     for i in range(steps):
         x, y = batches[i % len(batches)]
@@ -105,7 +108,7 @@ def tail(losses, n):
     return sum(losses[-n:]) / len(losses[-n:])
 
 
-def bench_bf16(spec, steps, threads):
+def bench_bf16(spec, steps, threads, seeds):
     timed = ("O5", "O7", "O7 bf16 state")
     step_ms = isolated(timing_worker, spec, timed, max(10, steps // 4), threads)
     rows = []
@@ -117,10 +120,15 @@ def bench_bf16(spec, steps, threads):
                          "step_ms": step_ms.get(name), "memory": mem, "bytes_per_param": r["bytes_per_param"],
                          "elementwise_bytes_per_param": (mem["total"] - mem["buffers"] - mem["optimizer_scalars"]) / mem["params"]})
             print(f"  {name} lr={lr}: loss {rows[-1]['loss']:.4f}", file=sys.stderr, flush=True)
+        for seed in range(1, seeds):  # how much the loss moves with the rounding noise alone
+            r = isolated(train_worker, spec, "O7", {}, lr, steps, threads, seed)
+            rows.append({"variant": f"O7 seed {seed}", "lr": lr, "loss": tail(r["losses"], 20), "run_step_ms": r["step_ms"],
+                         "bytes_per_param": r["bytes_per_param"]})
+            print(f"  O7 seed {seed} lr={lr}: loss {rows[-1]['loss']:.4f}", file=sys.stderr, flush=True)
     for row in rows:
         o5 = next(r for r in rows if r["variant"] == "O5" and r["lr"] == row["lr"])
         row["vs_O5_loss"] = row["loss"] - o5["loss"]
-        row["speed_vs_O5"] = None if row["step_ms"] is None else o5["step_ms"] / row["step_ms"]
+        row["speed_vs_O5"] = None if row.get("step_ms") is None else o5["step_ms"] / row["step_ms"]
     return rows
 
 
@@ -166,6 +174,11 @@ def targets(bf16, fp8):
         for v in ("O7", "O7 bf16 state"):
             out.append({"target": f"{v} loss within 0.002 of O5 (lr {lr:g})", "measured": f"{at[v]['vs_O5_loss']:+.4f}",
                         "met": abs(at[v]["vs_O5_loss"]) <= 0.002})
+        seeded = [r["vs_O5_loss"] for r in bf16 if r["lr"] == lr and (r["variant"] == "O7" or r["variant"].startswith("O7 seed"))]
+        if len(seeded) > 1:
+            mean = sum(seeded) / len(seeded)
+            out.append({"target": f"O7 loss within 0.002 of O5 (lr {lr:g}), mean of {len(seeded)} rounding seeds",
+                        "measured": f"{mean:+.4f} (seeds {min(seeded):+.4f}..{max(seeded):+.4f})", "met": abs(mean) <= 0.002})
         for v in ("O7 nearest (control)", "plain bf16 (control)"):
             out.append({"target": f"{v} clearly worse than O5 (lr {lr:g}; > 0.01)", "measured": f"{at[v]['vs_O5_loss']:+.4f}",
                         "met": at[v]["vs_O5_loss"] > 0.01})
@@ -191,13 +204,14 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--fp8-steps", type=int, default=60)
+    p.add_argument("--seeds", type=int, default=3, help="O7 runs with rounding seeds 0..N-1 (the spread is the noise)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
     spec, steps, fp8_steps = (QUICK_LM, 25, 10) if args.quick else (LM, args.steps, args.fp8_steps)
     info = machine(torch.device("cpu"))
     print(f"ampkit {ampkit.__version__} frontier{' --quick' if args.quick else ''}: {info}", flush=True)
     started = time.perf_counter()
-    bf16 = bench_bf16(spec, steps, args.threads)
+    bf16 = bench_bf16(spec, steps, args.threads, 2 if args.quick else args.seeds)
     fp8 = bench_fp8(spec, fp8_steps, args.threads)
     goals = targets(bf16, fp8)
     print(f"\n1. Compensated bf16 (LM {vars(spec)}, AdamW, {steps} steps; loss = mean of the last 20; "
@@ -218,7 +232,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick, "seconds": seconds,
-                       "lm": vars(spec), "steps": steps, "fp8_steps": fp8_steps, "bf16": bf16, "fp8": fp8, "targets": goals}, f, indent=2)
+                       "lm": vars(spec), "steps": steps, "seeds": args.seeds, "fp8_steps": fp8_steps, "bf16": bf16, "fp8": fp8, "targets": goals}, f, indent=2)
         print(f"wrote {args.json}")
 
 
