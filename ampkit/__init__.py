@@ -9,7 +9,7 @@ from .autocasting import (
     register_half_function,
     register_promote_function,
 )
-from . import checkpoint, normalization, parallel, surgery
+from . import checkpoint, float8, footprint, normalization, parallel, stochastic_rounding, surgery
 from .errors import NoEffectWarning
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .opt_levels import OPT_LEVELS, Properties
