@@ -56,11 +56,18 @@ class TransientUpdate:
         self.rounder = rounder
         self.state_dtype = state_dtype
 
-    def round_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.rounding == "stochastic" and dst.dtype == torch.bfloat16:
-            self.rounder.round_(dst, src)
-        else:
-            dst.copy_(src)
+    def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], flat: Optional[torch.Tensor] = None) -> None:
+        """``dsts[i] = srcs[i]`` (float32 into half), rounded in one flat pass; ``flat`` is the
+        float32 buffer ``srcs`` are consecutive views of, when they are."""
+        if not dsts:
+            return
+        if self.rounding != "stochastic" or any(d.dtype != torch.bfloat16 for d in dsts):
+            torch._foreach_copy_(dsts, srcs)
+            return
+        if flat is None:
+            flat = torch.cat([s.reshape(-1) for s in srcs])
+        out = self.rounder.round_(torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device), flat)
+        torch._foreach_copy_(dsts, _views(out, dsts))
 
     def __call__(self):
         opt = self.optimizer
@@ -78,25 +85,34 @@ class TransientUpdate:
         return result
 
     def _step_chunk(self, chunk, grads):
+        """One optimizer call on fp32 copies of the chunk's half parameters (views of one
+        flat buffer, filled by one fused copy); then the weights, and the state when it is
+        stored in half, are rounded back in one flat pass each."""
         opt, swapped = self.optimizer, []
+        half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
+        flat = torch.empty(sum(p.numel() for p in half), dtype=torch.float32, device=half[0].device) if half else None
+        copies, grad_copies = _views(flat, half), _views(torch.empty_like(flat), half) if half else []
+        with torch.no_grad():
+            if half:
+                torch._foreach_copy_(copies, half)
+                torch._foreach_copy_(grad_copies, [grads[p] for p in half])
+        copy_of = dict(zip(half, zip(copies, grad_copies)))
         try:
             for group, i, p in chunk:
-                if p.dtype not in HALF_DTYPES:
+                if p not in copy_of:
                     p.grad = grads[p]
                     continue
-                f = p.detach().float()
-                f.grad = grads[p].float()
+                f, f.grad = copy_of[p]
                 group["params"][i] = f
                 state = opt.state.pop(p, None)
                 if state is not None:
-                    opt.state[f] = self._widen(state, p)
+                    opt.state[f] = state
                 swapped.append((group, i, p, f))
+            stored = self._widen([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state])
             result = self.step()
             with torch.no_grad():
-                for _, _, p, f in swapped:  # weight then state, parameter by parameter: the
-                    self.round_(p, f)  # rounding draws do not depend on the chunk boundaries
-                    if f in opt.state:
-                        self._narrow(opt.state[f], p, self.round_)
+                self.round_into(half, copies, flat)
+                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into, stored)
             return result
         finally:
             for group, i, p, f in swapped:
@@ -107,22 +123,35 @@ class TransientUpdate:
             for group, i, p in chunk:
                 p.grad = None
 
-    def _widen(self, state: dict, p: torch.Tensor) -> dict:
-        for k, v in state.items():
-            if _elementwise(k, v, p) and v.dtype != torch.float32:
-                state[k] = v.float()
-        return state
+    def _widen(self, states) -> dict:
+        """Half elementwise state to float32 (one fused copy); returns the half tensors by
+        (state, key), to be written back into after the step."""
+        found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != torch.float32]
+        if not found:
+            return {}
+        wide = _views(torch.empty(sum(v.numel() for _, _, v in found), dtype=torch.float32, device=found[0][2].device),
+                      [v for _, _, v in found])
+        with torch.no_grad():
+            torch._foreach_copy_(wide, [v for _, _, v in found])
+        for (st, k, _), w in zip(found, wide):
+            st[k] = w
+        return {(id(st), k): v for st, k, v in found}
 
-    def _narrow(self, state: dict, p: torch.Tensor, round_) -> dict:
+    def _narrow(self, states, round_into, stored=None) -> None:
+        """Elementwise float32 state to ``state_dtype`` (when that is a half dtype), into the
+        half tensors it was widened from where there are some."""
         if self.state_dtype is None or self.state_dtype == torch.float32:
-            return state
-        for k, v in state.items():
-            if _elementwise(k, v, p) and v.dtype != self.state_dtype:
-                out = torch.empty_like(v, dtype=self.state_dtype)
-                with torch.no_grad():
-                    round_(out, v.float())
-                state[k] = out
-        return state
+            return
+        found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != self.state_dtype]
+        if not found:
+            return
+        stored = stored or {}
+        dsts = [stored.get((id(st), k)) for st, k, _ in found]
+        dsts = [torch.empty_like(v, dtype=self.state_dtype) if d is None else d for d, (_, _, v) in zip(dsts, found)]
+        with torch.no_grad():
+            round_into(dsts, [v.float() for _, _, v in found])
+        for (st, k, _), d in zip(found, dsts):
+            st[k] = d
 
     def load_state_dict(self, load: Callable, state_dict: dict) -> None:
         """``optimizer.load_state_dict``: torch casts loaded state to each parameter's dtype,
@@ -143,7 +172,8 @@ class TransientUpdate:
             for stand_in, p in real.items():
                 state = opt.state.pop(stand_in, None)
                 if state is not None:
-                    opt.state[p] = self._narrow(state, p, _copy_)  # exact for saved half state, no draws
+                    opt.state[p] = state
+            self._narrow([(opt.state[p], p) for p in real.values() if p in opt.state], _copy_into)  # exact, no draws
 
 
 def _load_state_dict(optimizer, state_dict: dict) -> None:
@@ -152,8 +182,17 @@ def _load_state_dict(optimizer, state_dict: dict) -> None:
     update.load_state_dict(update.load, state_dict)
 
 
-def _copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
+def _copy_into(dsts, srcs, flat=None) -> None:
+    torch._foreach_copy_(dsts, srcs)
+
+
+def _views(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like the tensors in ``like``."""
+    out, at = [], 0
+    for t in like:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def _elementwise(key, value, p: torch.Tensor) -> bool:
@@ -167,7 +206,5 @@ def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state
     opt_state._step = update
     update.load = opt.load_state_dict
     opt.load_state_dict = types.MethodType(_load_state_dict, opt)
-    for group in opt.param_groups:  # state the optimizer already had, stored as state_dtype
-        for p in group["params"]:
-            if p in opt.state:
-                opt.state[p] = update._narrow(opt.state[p], p, _copy_)
+    held = [p for g in opt.param_groups for p in g["params"] if p in opt.state]
+    update._narrow([(opt.state[p], p) for p in held], _copy_into)  # state it already had, as state_dtype
