@@ -2,9 +2,10 @@
 
 At levels with ``update_rounding`` (O7) the optimizer holds the model's half parameters and
 any ``torch.optim`` optimizer steps on them through :class:`TransientUpdate`, chunk by
-chunk: a chunk's half parameters and gradients get float32 copies, which the optimizer
-steps on in their place (its state is keyed by the copies for that call); the results are
-rounded back into the half weights, stochastically (``"stochastic"``) or to nearest. The
+chunk: a chunk's half parameters and gradients get float32 copies (views of one flat
+buffer each, filled by fused copies), which the optimizer steps on in their place (its
+state is keyed by the copies for that call); the results are rounded back into the half
+weights in one flat pass, stochastically (``"stochastic"``) or to nearest. The
 copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMENTS`
 (a larger single tensor is its own chunk), and nothing fp32 persists but the optimizer
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors

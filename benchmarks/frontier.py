@@ -21,6 +21,7 @@
 Each run trains in a fresh process; every run starts from the same seeded weights and batches.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -210,10 +211,11 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--fp8-steps", type=int, default=60)
+    p.add_argument("--d-model", type=int, default=LM.d_model, help=f"LM width (default {LM.d_model}; the demo's is 256)")
     p.add_argument("--seeds", type=int, default=3, help="O7 runs with rounding seeds 0..N-1 (the spread is the noise)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
-    spec, steps, fp8_steps = (QUICK_LM, 25, 10) if args.quick else (LM, args.steps, args.fp8_steps)
+    spec, steps, fp8_steps = (QUICK_LM, 25, 10) if args.quick else (dataclasses.replace(LM, d_model=args.d_model), args.steps, args.fp8_steps)
     info = machine(torch.device("cpu"))
     print(f"ampkit {ampkit.__version__} frontier{' --quick' if args.quick else ''}: {info}", flush=True)
     started = time.perf_counter()
