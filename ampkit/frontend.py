@@ -383,7 +383,7 @@ def _report(session: Session, defaults, applied, notes, optimizers, use_masters:
     lines += ["Note: " + n for n in notes]
     session.log("\n".join(lines))
     half = props.cast_model_type if props.cast_model_type in opt_levels.HALF_DTYPES else None
-    if half is not None and not use_masters:
+    if half is not None and not use_masters and not props.update_rounding:  # update_rounding: the step is fp32
         for opt in optimizers:
             eps = [g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), float)]
             if eps and torch.tensor(min(eps), dtype=half).item() == 0.0:
