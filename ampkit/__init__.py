@@ -22,6 +22,7 @@ _EXPORTS = {
     "capabilities": "capabilities", "Capabilities": "capabilities",
     "loss_scalers": "health", "step_was_skipped": "health",
     "checkpoint": "", "normalization": "", "parallel": "", "surgery": "", "fp16_utils": "",
+    "float8": "", "footprint": "", "stochastic_rounding": "",
     "_amp_state": "apex_state",  # Apex's amp._amp_state, read-only
 }
 

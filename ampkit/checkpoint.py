@@ -27,6 +27,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .frontend import ROUNDING_KEY as ROUNDING
+from .stochastic_rounding import StochasticRounder
+
 __all__ = ["CheckpointError", "save", "load"]
 
 FORMAT = "ampkit.checkpoint"
@@ -58,6 +61,11 @@ def _refuse_sharded(model: nn.Module, caller: str) -> None:
             f"per run cannot hold every rank's shards. Use ampkit.parallel.{caller}_sharded(checkpoint_dir, "
             f"model, optimizer) (torch.distributed.checkpoint, each rank writes its shards)."
         )
+
+
+def _rounding(optimizer):
+    """The stochastic-rounding generators of the optimizer's session (O7), or None."""
+    return optimizer._ampkit.session.rounding
 
 
 # --- digest -------------------------------------------------------------------------------
@@ -145,6 +153,8 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
         "amp": {f"loss_scaler{i}": dict(s.state_dict()) for i, s in enumerate(scalers)},
         "extra": {} if extra is None else extra,
     }
+    if _rounding(optimizer) is not None:
+        payload["amp"][ROUNDING] = _rounding(optimizer).state_dict()
     blob = {"format": FORMAT, "version": VERSION, "sha256": _digest(payload), **payload}
     buf = io.BytesIO()
     torch.save(blob, buf)
@@ -251,6 +261,12 @@ def _check_amp(where, scalers, amp) -> None:
     from .scaler import LossScaler
 
     expected = [f"loss_scaler{i}" for i in range(len(scalers))]
+    if isinstance(amp, dict) and ROUNDING in amp:
+        try:
+            StochasticRounder.check_state(ROUNDING, amp[ROUNDING])
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+        amp = {k: v for k, v in amp.items() if k != ROUNDING}
     if not isinstance(amp, dict) or set(amp) != set(expected):
         keys = sorted(map(str, amp)) if isinstance(amp, dict) else type(amp).__name__
         raise CheckpointError(
@@ -282,17 +298,23 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     undo_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
     undo_opt = copy.deepcopy(optimizer.state_dict())
     undo_amp = [dict(s.state_dict()) for s in scalers]
+    rounder = _rounding(optimizer)
+    undo_rounding = rounder.state_dict() if rounder is not None else None
     try:
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         for i, s in enumerate(scalers):
             s.load_state_dict(payload["amp"][f"loss_scaler{i}"])
+        if rounder is not None and ROUNDING in payload["amp"]:
+            rounder.load_state_dict(payload["amp"][ROUNDING])
     except BaseException as e:  # KeyboardInterrupt too: roll back, then let it propagate
         try:
             model.load_state_dict(undo_model)
             optimizer.load_state_dict(undo_opt)
             for s, st in zip(scalers, undo_amp):
                 s.load_state_dict(st)
+            if rounder is not None:
+                rounder.load_state_dict(undo_rounding)
         except Exception as again:
             raise CheckpointError(
                 f"{where}: applying the checkpoint failed ({type(e).__name__}: {e}) and so did restoring the "

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import ampkit
 from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+from .footprint import bytes_per_param
 from .frontend import current_session
 
 LEVELS = tuple(ampkit.OPT_LEVELS)
@@ -195,6 +196,7 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: f
         "weights": _dtypes(model.parameters()),
         "compute": SHORT[props.half_dtype] if props.patch_torch_functions else _dtypes(model.parameters()).split("+")[0],
         "masters": "fp32" if optimizer._ampkit.masters else "-",
+        "bytes_per_param": bytes_per_param([model], [optimizer]),
         "steps_per_s": max(steps - 1, 1) / seconds,
         "peak_mib": meter.peak_mib(),
         "first_loss": losses[0],
@@ -347,7 +349,8 @@ def describe(caps) -> List[str]:
 
 COLUMNS = [
     ("model", "model", "{}"), ("level", "level", "{}"), ("weights", "weights", "{}"),
-    ("compute", "compute", "{}"), ("masters", "masters", "{}"), ("steps/s", "steps_per_s", "{:.1f}"),
+    ("compute", "compute", "{}"), ("masters", "masters", "{}"),
+    ("bytes/param", "bytes_per_param", "{:.1f}"), ("steps/s", "steps_per_s", "{:.1f}"),
     ("vs O0", "speedup", "{:.2f}x"), ("peak MiB", "peak_mib", "{:.0f}"), ("first loss", "first_loss", "{:.3f}"),
     ("final loss", "final_loss", "{:.3f}"), ("skipped", "skipped_steps", "{}"), ("loss scale", "loss_scale", "{:g}"),
 ]
@@ -361,6 +364,16 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
+def _installed(levels):
+    """``levels`` without the fp8 ones when torchao (the ``ampkit[fp8]`` extra) is missing, saying so."""
+    from . import float8
+
+    missing = [lvl for lvl in levels if ampkit.OPT_LEVELS[lvl].fp8 and not float8.available()]
+    if missing:
+        print(f"left out {', '.join(missing)}: fp8 needs torchao (pip install '{float8.EXTRA}')", flush=True)
+    return [lvl for lvl in levels if lvl not in missing]
+
+
 def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str = "auto",
          json_path: Optional[str] = None) -> List[dict]:
     """Run the demo, print the table (and write ``json_path``); return the rows.
@@ -370,6 +383,7 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
     """
     dev = resolve_device(device)
     info = machine(dev)
+    levels = _installed(levels)
     caps = ampkit.capabilities(dev)
     print(f"ampkit {ampkit.__version__} demo on {info['device']} ({info['cpu']}, {info['threads']} threads, "
           f"torch {info['torch']})", flush=True)
@@ -391,7 +405,8 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
     memory = "peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS of the run's own process above its RSS before the model was built"
     print()
     print(format_table(rows))
-    print(f"\nsteps/s: steps 2..{steps} (the first step is warm-up); peak MiB: {memory}.")
+    print(f"\nsteps/s: steps 2..{steps} (the first step is warm-up); peak MiB: {memory}; bytes/param: weights, "
+          f"master weights and optimizer state (SGD momentum) after the run, measured from their storages.")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"machine": info, "capabilities": dataclasses.asdict(caps), "steps": steps, "batch_scale": scale,

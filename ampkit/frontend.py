@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from . import health, opt_levels
+from . import float8, health, opt_levels, transient_update
 from .casting import cast_module_, check_sparse_embeddings
 from .errors import NoEffectWarning
 from .logs import is_main_process, logger
@@ -19,9 +19,11 @@ from .model_state import ModelState, attach as attach_model
 from .optimizer_state import OptimizerState
 from .optimizer_wrappers import OptimizerLike
 from .scaler import LossScaler
+from .stochastic_rounding import StochasticRounder
 
 _current = None  # the Session of the latest initialize()
 _runs = weakref.WeakKeyDictionary()  # initialized model -> its Session (alive as long as the model)
+ROUNDING_KEY = "stochastic_rounding"  # ampkit.state_dict() entry of the rounding generators
 _reported = set()  # one-time notes already logged in this process
 
 
@@ -46,6 +48,7 @@ class Session:
         self.verbosity = verbosity
         self.device_type = device_type
         self.floor_warned = set()
+        self.rounding: Optional[StochasticRounder] = None  # at update_rounding="stochastic"
 
     def log(self, msg: str, *args, level: int = logging.INFO) -> None:
         if self.verbosity > 0:
@@ -259,6 +262,10 @@ def initialize(
     ddp_kwargs: Optional[dict] = None,
     fsdp: bool = False,
     fsdp_kwargs: Optional[dict] = None,
+    update_rounding=None,
+    optimizer_state_dtype=None,
+    fp8=None,
+    fp8_exclude=None,
 ):
     """Prepare models and optimizers for mixed precision at ``opt_level`` (see ``ampkit levels``).
 
@@ -331,6 +338,9 @@ def initialize(
         loss_scale=loss_scale,
         half_dtype=half_dtype,
         low_precision_layernorm=low_precision_layernorm,
+        update_rounding=update_rounding,
+        optimizer_state_dtype=optimizer_state_dtype,
+        fp8=fp8,
     )
     if auto_note is not None:
         notes.insert(0, auto_note)
@@ -361,6 +371,11 @@ def initialize(
     sharding = fsdp_.plan(model_list, opt_list, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs)
     if sharding is not None:
         notes = notes + sharding.notes
+    if props.fp8:
+        float8.require()
+        fp8_exclude = float8.check_exclude(model_list, fp8_exclude)
+    elif fp8_exclude is not None:
+        warnings.warn(f"initialize(fp8_exclude=...) has no effect at {props.opt_level}: fp8 is off.", NoEffectWarning, stacklevel=2)
 
     cast_to_half = props.cast_model_type in opt_levels.HALF_DTYPES
     use_masters = bool(props.master_weights) and cast_to_half and sharding is None  # else FSDP's shards are the masters
@@ -375,6 +390,8 @@ def initialize(
     # from the rounded half copies: keep the pre-cast tensors (no copy; the cast rebinds .data).
     originals = {p: p.data for m in model_list for p in m.parameters()} if use_masters else {}
     for m in model_list:
+        if props.fp8:
+            float8.convert_(m, props.fp8, fp8_exclude, session.log)
         _prepare_model(m, props if sharding is None else sharding.model_props, cast_model_outputs)
         if sharding is not None:
             sharded = sharding.shard(m)
@@ -385,8 +402,12 @@ def initialize(
         LossScaler(props.loss_scale, min_loss_scale=min_scale, max_loss_scale=max_scale, hysteresis=loss_scale_hysteresis)
         for _ in range(num_losses)
     ]
+    if props.update_rounding == "stochastic":
+        session.rounding = StochasticRounder()
     for opt in opt_list:
         OptimizerState(opt, session, use_masters, model_states, originals).attach()
+        if props.update_rounding:
+            transient_update.attach(opt._ampkit, props.update_rounding, session.rounding, props.optimizer_state_dtype)
     originals.clear()
     _current = session
     session.trains = bool(opt_list)
@@ -460,7 +481,7 @@ def _report(session: Session, defaults, applied, notes, optimizers, use_masters:
             lines += [f"{k:24}: {opt_levels._show(v)}" for k, v in props.rows()]
             session.log("\n".join(lines))
     half = props.cast_model_type if props.cast_model_type in opt_levels.HALF_DTYPES else None
-    if half is not None and not use_masters:
+    if half is not None and not use_masters and not props.update_rounding:  # update_rounding: the step is fp32
         for opt in optimizers:
             eps = [g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), float)]
             if eps and torch.tensor(min(eps), dtype=half).item() == 0.0:
@@ -633,6 +654,7 @@ def state_dict(destination=None, optimizer=None, model=None) -> dict:
     """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``.
 
     The scalers of the run ``optimizer`` (or ``model``) belongs to; see :func:`training_session`.
+    At update_rounding="stochastic" (O7) also ``"stochastic_rounding"``: the rounding generators.
 
     Args:
         destination: a dict to fill (and return) instead of a new one.
@@ -642,6 +664,8 @@ def state_dict(destination=None, optimizer=None, model=None) -> dict:
     out = {} if destination is None else destination
     for i, s in enumerate(session.scalers):
         out[f"loss_scaler{i}"] = s.state_dict()
+    if session.rounding is not None:
+        out[ROUNDING_KEY] = session.rounding.state_dict()
     return out
 
 
@@ -656,9 +680,11 @@ def load_state_dict(state: dict, optimizer=None, model=None) -> None:
     session = training_session("ampkit.load_state_dict()", optimizer, model)
     if not isinstance(state, dict):
         raise TypeError(f"ampkit.load_state_dict(state): expected a dict, got {type(state).__name__}.")
+    rounding = state.get(ROUNDING_KEY)
+    state = {k: v for k, v in state.items() if k != ROUNDING_KEY}
     bad = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler") and k[11:].isdigit())]
     if bad:
-        raise ValueError(f"ampkit.load_state_dict: unexpected key(s) {bad}; expected 'loss_scaler0', 'loss_scaler1', ...")
+        raise ValueError(f"ampkit.load_state_dict: unexpected key(s) {bad}; expected 'loss_scaler0', 'loss_scaler1', ..., {ROUNDING_KEY!r}")
     n = len(session.scalers)
     if len(state) != n or any(f"loss_scaler{i}" not in state for i in range(n)):
         raise ValueError(
@@ -667,5 +693,12 @@ def load_state_dict(state: dict, optimizer=None, model=None) -> None:
         )
     for key, value in state.items():
         LossScaler.check_state(key, value)
+    if rounding is not None:
+        StochasticRounder.check_state(ROUNDING_KEY, rounding)
+        if session.rounding is None:
+            warnings.warn(f"ampkit.load_state_dict: {ROUNDING_KEY!r} has no effect: nothing rounds updates "
+                          f"stochastically in this run.", NoEffectWarning, stacklevel=2)
     for i, s in enumerate(session.scalers):
         s.load_state_dict(state[f"loss_scaler{i}"])
+    if rounding is not None and session.rounding is not None:
+        session.rounding.load_state_dict(rounding)

@@ -40,6 +40,9 @@ class Properties:
     loss_scale: Union[float, str]
     half_dtype: Optional[torch.dtype]
     low_precision_layernorm: bool = False
+    update_rounding: Optional[str] = None  # None, or how an fp32 update returns to half weights
+    optimizer_state_dtype: Optional[torch.dtype] = None  # None: the dtype the optimizer makes
+    fp8: Union[bool, str] = False  # True, "emulate" or False: torchao Float8Linear layers
 
     def rows(self) -> List[Tuple[str, Any]]:
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
@@ -56,6 +59,8 @@ OPT_LEVELS: Dict[str, Properties] = {
     "O3": _level("O3", HALF_DTYPE, False, False, False, 1.0, torch.float16),
     "O4": _level("O4", None, True, None, None, 1.0, torch.bfloat16),
     "O5": _level("O5", HALF_DTYPE, False, True, True, 1.0, torch.bfloat16),
+    "O6": dataclasses.replace(_level("O6", HALF_DTYPE, False, True, True, 1.0, torch.bfloat16), fp8=True),
+    "O7": dataclasses.replace(_level("O7", HALF_DTYPE, False, True, False, 1.0, torch.bfloat16), update_rounding="stochastic"),
 }
 
 BRIEF = {
@@ -65,6 +70,8 @@ BRIEF = {
     "O3": "Pure FP16 training.",
     "O4": "Autocast to bfloat16: FP32 weights, bfloat16 ops where safe, no loss scaling.",
     "O5": "BF16 model with FP32 batchnorm and FP32 master weights, no loss scaling.",
+    "O6": "O5 plus FP8 matmuls (torchao Float8Linear) in eligible Linear layers; needs ampkit[fp8].",
+    "O7": "BF16 model without master weights: each update computed in FP32, stochastically rounded back.",
 }
 
 OVERRIDES = tuple(f.name for f in dataclasses.fields(Properties) if f.name != "opt_level")
@@ -162,6 +169,35 @@ def _half_dtype(value):
     )
 
 
+UPDATE_ROUNDINGS = ("nearest", "stochastic")
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+FP8_MODES = (True, False, "emulate")
+
+
+def _update_rounding(value):
+    if value in UPDATE_ROUNDINGS:
+        return value
+    raise ValueError(
+        f"initialize(update_rounding={value!r}): expected 'stochastic', 'nearest', or False/None "
+        f"(the optimizer updates the half weights itself)."
+    )
+
+
+def _optimizer_state_dtype(value):
+    if isinstance(value, torch.dtype) and value in STATE_DTYPES:
+        return value
+    raise TypeError(f"initialize(optimizer_state_dtype={value!r}): expected {_dtype_name(STATE_DTYPES)} or None.")
+
+
+def _fp8(value):
+    if isinstance(value, bool) or value == "emulate":
+        return value
+    raise ValueError(
+        f"initialize(fp8={value!r}): expected True (fp8 matmuls, emulated where the device has none), "
+        f"'emulate' (always emulated) or False."
+    )
+
+
 _CHECKS = {
     "cast_model_type": _cast_model_type,
     "patch_torch_functions": lambda v: _bool("patch_torch_functions", v),
@@ -170,6 +206,9 @@ _CHECKS = {
     "loss_scale": _loss_scale,
     "half_dtype": _half_dtype,
     "low_precision_layernorm": lambda v: _bool("low_precision_layernorm", v),
+    "update_rounding": lambda v: None if v is False else _update_rounding(v),
+    "optimizer_state_dtype": _optimizer_state_dtype,
+    "fp8": _fp8,
 }
 
 
@@ -187,6 +226,7 @@ def resolve(opt_level, **overrides) -> Tuple[Properties, Properties, Dict[str, A
         raise TypeError(f"initialize() got unexpected option(s) {sorted(unknown)}; accepted: {OVERRIDES}.")
     applied = {k: _CHECKS[k](v) for k, v in overrides.items() if v is not None}
     final = dataclasses.replace(defaults, **applied)
+    notes = _resolve_update(defaults.opt_level, final, applied)
     half = final.half_dtype or torch.float16
     if final.cast_model_type == HALF_DTYPE:
         final.cast_model_type = half
@@ -199,7 +239,6 @@ def resolve(opt_level, **overrides) -> Tuple[Properties, Properties, Dict[str, A
             f"half_dtype={final.cast_model_type}, or cast_model_type={final.half_dtype}."
         )
 
-    notes = []
     casts_to_half = final.cast_model_type in HALF_DTYPES
     if "keep_batchnorm_fp32" in applied and not casts_to_half:
         notes.append(
@@ -219,6 +258,38 @@ def resolve(opt_level, **overrides) -> Tuple[Properties, Properties, Dict[str, A
             f"LayerNorm under autocast (O1/O4); a model cast to half already runs LayerNorm in half."
         )
     return defaults, final, applied, notes
+
+
+def _resolve_update(level: str, final: Properties, applied: dict) -> List[str]:
+    """Settle ``update_rounding`` and ``optimizer_state_dtype`` (after the half dtype is known):
+    they apply only to a model cast to half without master weights; elsewhere they become None."""
+    notes = []
+    cast = final.cast_model_type
+    cast = (final.half_dtype or torch.float16) if cast == HALF_DTYPE else cast
+    if final.update_rounding is not None:
+        why = None
+        if cast not in HALF_DTYPES:
+            why = "the model is not cast to a half dtype, so the optimizer already updates float32 weights"
+        elif final.master_weights:
+            why = "with master_weights=True the update lands in the float32 masters"
+        if why is not None:
+            if "update_rounding" in applied:
+                notes.append(f"update_rounding={final.update_rounding!r} has no effect at {level}: {why}.")
+            final.update_rounding = None
+        elif final.update_rounding == "stochastic" and cast != torch.bfloat16:
+            raise ValueError(
+                f"initialize(update_rounding='stochastic'): stochastic rounding is implemented for bfloat16 "
+                f"weights, but the model is cast to {cast}; pass half_dtype=torch.bfloat16, or "
+                f"update_rounding='nearest'."
+            )
+    if final.optimizer_state_dtype is not None and final.update_rounding is None:
+        notes.append(
+            f"optimizer_state_dtype={final.optimizer_state_dtype} has no effect at {level}: it sets how "
+            f"optimizer state is stored between steps only where ampkit computes the update "
+            f"(update_rounding, a half model without master weights)."
+        )
+        final.optimizer_state_dtype = None
+    return notes
 
 
 def format_table() -> str:

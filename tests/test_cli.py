@@ -29,7 +29,7 @@ def test_levels_in_process(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--levels", "O7"], "unknown opt level"),
+    (["demo", "--levels", "O9"], "unknown opt level"),
     (["demo", "--levels", "01"], "did you mean 'O1'"),
     (["demo", "--steps", "0"], "expected a positive integer"),
     (["demo", "--model", "rnn"], "invalid choice"),
@@ -69,3 +69,20 @@ def test_demo_table_and_json(tmp_path, capsys):
 def test_worker_errors_reach_the_parent():
     with pytest.raises(RuntimeError, match="unknown opt level"):
         demo.isolated(demo.train, "cnn", "O9", 1)
+
+
+def test_demo_memory_levels_report_bytes_per_param(tmp_path, capsys, monkeypatch):
+    from ampkit import float8
+
+    path = tmp_path / "demo.json"
+    levels = "O5,O6,O7" if float8.available() else "O5,O7"
+    assert cli.main(["demo", "--steps", "2", "--levels", levels, "--model", "lm", "--device", "cpu", "--json", str(path)]) == 0
+    assert "bytes/param" in capsys.readouterr().out
+    rows = {r["level"]: r for r in json.loads(path.read_text())["rows"]}
+    # SGD with momentum: O5 bf16 weights + fp32 masters + fp32 momentum; O7 bf16 weights + fp32 momentum
+    assert rows["O5"]["bytes_per_param"] == pytest.approx(10.0) and rows["O7"]["bytes_per_param"] == pytest.approx(6.0)
+    assert rows["O7"]["masters"] == "-" and rows["O7"]["weights"] == "bf16"
+    if "O6" in rows:
+        assert rows["O6"]["bytes_per_param"] == pytest.approx(10.0) and math.isfinite(rows["O6"]["final_loss"])
+    monkeypatch.setattr(float8, "available", lambda: False)
+    assert demo._installed(["O5", "O6"]) == ["O5"] and "left out O6: fp8 needs torchao" in capsys.readouterr().out

@@ -93,3 +93,69 @@ def test_format_table_lists_every_level():
     for level in OPT_LEVELS:
         assert f"\n{level} " in text or text.startswith(level)
     assert "bfloat16" in text and "dynamic" in text
+
+
+# --- the memory levels: O6 (fp8) and O7 (bf16 without masters, rounded updates) ---------
+
+def test_o6_is_o5_plus_fp8_and_o7_is_bf16_without_masters():
+    o5, o6, o7 = OPT_LEVELS["O5"], OPT_LEVELS["O6"], OPT_LEVELS["O7"]
+    assert o6.rows()[1:] == [(k, True if k == "fp8" else v) for k, v in o5.rows()[1:]]
+    assert (o7.cast_model_type, o7.master_weights, o7.half_dtype, o7.loss_scale, o7.keep_batchnorm_fp32) == (HALF_DTYPE, False, torch.bfloat16, 1.0, True)
+    assert (o7.update_rounding, o7.optimizer_state_dtype, o7.fp8) == ("stochastic", None, False)
+    for level in ("O0", "O1", "O2", "O3", "O4", "O5"):
+        assert (OPT_LEVELS[level].update_rounding, OPT_LEVELS[level].optimizer_state_dtype, OPT_LEVELS[level].fp8) == (None, None, False)
+
+
+@pytest.mark.parametrize("name,value,exc", [
+    ("update_rounding", "kahan", ValueError), ("update_rounding", True, ValueError),
+    ("optimizer_state_dtype", torch.float16, TypeError), ("optimizer_state_dtype", "bfloat16", TypeError),
+    ("fp8", "yes", ValueError), ("fp8", 1, ValueError),
+])
+def test_bad_memory_overrides_name_the_argument(name, value, exc):
+    with pytest.raises(exc, match=rf"initialize\({name}="):
+        resolve("O7", **{name: value})
+
+
+def test_stochastic_rounding_needs_bfloat16():
+    with pytest.raises(ValueError, match=r"update_rounding='stochastic'.*half_dtype=torch.bfloat16"):
+        resolve("O7", half_dtype=torch.float16)
+    assert resolve("O3", update_rounding="nearest")[1].update_rounding == "nearest"  # fp16 to nearest is fine
+
+
+@pytest.mark.parametrize("level,overrides,note", [
+    ("O5", dict(update_rounding="stochastic"), "update lands in the float32 masters"),
+    ("O0", dict(update_rounding="nearest"), "not cast to a half dtype"),
+    ("O5", dict(optimizer_state_dtype=torch.bfloat16), "optimizer_state_dtype=torch.bfloat16 has no effect at O5"),
+])
+def test_memory_overrides_without_effect_are_notes(level, overrides, note):
+    _, final, _, notes = resolve(level, **overrides)
+    assert final.update_rounding is None and final.optimizer_state_dtype is None
+    assert len(notes) == 1 and note in notes[0]
+
+
+def test_o7_with_masters_or_without_rounding_falls_back_quietly():
+    _, final, _, notes = resolve("O7", master_weights=True)
+    assert final.update_rounding is None and notes == []
+    _, final, _, notes = resolve("O7", update_rounding=False, optimizer_state_dtype=torch.bfloat16)
+    assert final.update_rounding is None and final.optimizer_state_dtype is None and len(notes) == 1
+
+
+def test_readme_table_matches_opt_levels():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text().split("## Opt levels", 1)[1]
+    lines = [ln for ln in text.split("\n\n", 2)[1].splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {cells[0]: dict(zip(head, cells)) for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:])}
+    assert list(rows) == list(OPT_LEVELS)
+
+    def show(v):
+        if v is HALF_DTYPE:
+            return "half_dtype"
+        if isinstance(v, torch.dtype):
+            return str(v).replace("torch.", "")
+        return f'"{v}"' if isinstance(v, str) else str(v)
+    for level, p in OPT_LEVELS.items():
+        for name in head[1:]:
+            want = "—" if name == "half_dtype" and p.half_dtype is None else show(getattr(p, name))
+            assert rows[level][name] == want, (level, name)

@@ -248,7 +248,7 @@ TABLE = [
     # opt_level: digit-zero and lower-case typos, unknown names, wrong types
     *[I("opt_level", repr(f"0{d}"), ValueError, f"did you mean 'O{d}' (letter O)?") for d in range(6)],
     I("opt_level", "'o2'", ValueError, "did you mean 'O2' (letter O)?"),
-    I("opt_level", "'O6'", ValueError, "initialize(opt_level='O6'): unknown opt level"),
+    I("opt_level", "'O9'", ValueError, "initialize(opt_level='O9'): unknown opt level"),
     I("opt_level", "'O2 '", ValueError, "initialize(opt_level='O2 '): unknown opt level"),
     I("opt_level", "2", ValueError, "initialize(opt_level=2): unknown opt level"),
     I("opt_level", "None", ValueError, "initialize(opt_level=None): an opt_level is required"),

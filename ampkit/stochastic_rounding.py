@@ -1,0 +1,95 @@
+"""Stochastic rounding of float32 to bfloat16, from seeded generators whose state checkpoints.
+
+A float32 value ``x`` between the bfloat16 neighbours ``lo < x < hi`` rounds to ``hi`` with
+probability ``(x - lo) / (hi - lo)`` and to ``lo`` otherwise, so the expected result is
+``x`` exactly. An update too small to move a bfloat16 weight under round-to-nearest still
+moves it on average. bfloat16 is float32 without its low 16 bits: adding a uniform 16-bit
+integer to those bits and clearing them rounds the magnitude up with exactly that
+probability, for either sign.
+"""
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["round_to_bf16_", "StochasticRounder", "manual_seed"]
+
+_LOW = 1 << 16  # the float32 bits bfloat16 drops
+_KEEP = -_LOW  # as int32: 0xFFFF0000
+
+
+def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically."""
+    if src.dtype != torch.float32 or dst.dtype != torch.bfloat16:
+        raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {dst.dtype} and {src.dtype}.")
+    bits = torch.empty(src.shape, dtype=torch.int32, device=src.device).random_(0, _LOW, generator=generator)
+    bits.add_(src.view(torch.int32)).bitwise_and_(_KEEP)
+    return dst.copy_(bits.view(torch.float32))  # exact: the dropped bits are zero
+
+
+class StochasticRounder:
+    """One seeded generator per device; ``state_dict`` captures them all for bit-exact resume.
+
+    Every generator starts from ``seed`` (the same on every rank, so data-parallel replicas
+    that apply the same update round it the same way).
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = _check_seed(seed)
+        self.generators: Dict[str, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        gen = self.generators.get(key)
+        if gen is None:
+            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    def round_(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return round_to_bf16_(dst, src, self.generator(src.device))
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart every generator from ``seed``."""
+        self.seed = _check_seed(seed)
+        self.generators.clear()
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "generators": {k: g.get_state() for k, g in self.generators.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state("stochastic_rounding", state)
+        self.manual_seed(state["seed"])
+        for key, value in state["generators"].items():
+            self.generator(torch.device(key)).set_state(value)
+
+    @staticmethod
+    def check_state(name: str, state) -> None:
+        """Raise a ValueError unless ``state`` is a :meth:`state_dict` of this class."""
+        if not isinstance(state, dict) or set(state) != {"seed", "generators"} or not isinstance(state["generators"], dict):
+            raise ValueError(f"{name}: expected a dict with 'seed' and 'generators', got {state!r}.")
+        _check_seed(state["seed"], f"{name}['seed']")
+        for key, value in state["generators"].items():
+            try:
+                torch.device(key)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"{name}['generators']: {key!r} is not a device.") from None
+            if not (torch.is_tensor(value) and value.dtype == torch.uint8):
+                raise ValueError(f"{name}['generators'][{key!r}]: expected a generator state (uint8 tensor).")
+
+
+def _check_seed(seed, name: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"{name}={seed!r}: expected an integer in [0, 2**63).")
+    return seed
+
+
+def manual_seed(seed: int) -> None:
+    """Reseed the stochastic rounding of the latest ``initialize`` (default seed: 0)."""
+    from .frontend import current_session
+
+    rounder = current_session("ampkit.stochastic_rounding.manual_seed()").rounding
+    if rounder is None:
+        raise RuntimeError(
+            "ampkit.stochastic_rounding.manual_seed(): the latest initialize does not round updates "
+            "stochastically (use opt_level='O7' or update_rounding='stochastic')."
+        )
+    rounder.manual_seed(seed)

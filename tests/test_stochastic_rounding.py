@@ -1,0 +1,89 @@
+"""Stochastic rounding float32 -> bfloat16: unbiased, only ever the two neighbours, seeded."""
+import math
+
+import pytest
+import torch
+
+from ampkit.stochastic_rounding import StochasticRounder, round_to_bf16_
+
+N = 2**16  # roundings per value
+
+
+def neighbours(x: float):
+    """The bfloat16 values just below and above ``x`` in magnitude (truncation, and one ulp up)."""
+    t = torch.tensor([x], dtype=torch.float32)
+    lo = (t.view(torch.int32) & -65536).view(torch.float32)
+    hi = (lo.view(torch.int32) + 65536).view(torch.float32)
+    return lo.item(), hi.item()
+
+
+def rounded(x: float, seed: int = 0, n: int = N) -> torch.Tensor:
+    src = torch.full((n,), x, dtype=torch.float32)
+    return round_to_bf16_(torch.empty(n, dtype=torch.bfloat16), src, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("x", [1.0 + 2**-10, 1.0 + 3 * 2**-12, -(1.0 + 2**-10), 0.1, -3.7e-3, 12345.678, 2e-39, 1.0 + 2**-20])
+def test_unbiased_and_only_the_two_neighbours(x):
+    out = rounded(x).double()
+    lo, hi = neighbours(x)
+    assert set(out.unique().tolist()) <= {lo, hi}
+    p = (x - lo) / (hi - lo)  # the probability of rounding away from zero
+    up = (out == hi).double().mean().item()
+    # Each rounding is a Bernoulli(p) choice between lo and hi, so the mean of N of them has
+    # standard deviation |hi - lo| * sqrt(p (1 - p) / N); 5 of those fail by chance with
+    # probability < 1e-6 (and the seed is fixed, so the test is deterministic anyway).
+    sigma = abs(hi - lo) * math.sqrt(p * (1 - p) / N)
+    assert abs(out.mean().item() - x) <= 5 * sigma + 1e-300
+    assert abs(up - p) <= 5 * math.sqrt(p * (1 - p) / N) + 1e-12
+
+
+def test_a_nearest_rounding_loses_what_stochastic_rounding_keeps():
+    x = 1.0 + 2**-10  # a small update to a weight of 1.0: below half a bfloat16 ulp (2**-8)
+    assert torch.tensor(x).to(torch.bfloat16).item() == 1.0
+    assert rounded(x).double().mean().item() == pytest.approx(x, abs=2e-5)
+
+
+@pytest.mark.parametrize("x", [0.0, -0.0, 1.0, -2.5, torch.finfo(torch.bfloat16).max, float("inf"), float("-inf"), 2.0**-130])
+def test_representable_values_are_exact(x):
+    out = rounded(x, n=4096)
+    assert torch.equal(out, torch.full_like(out, x)) and torch.equal(out.signbit(), torch.full((4096,), math.copysign(1, x) < 0))
+
+
+def test_nan_stays_nan():
+    assert rounded(float("nan"), n=64).isnan().all()
+
+
+def test_deterministic_under_a_seed():
+    x = torch.randn(10_000)
+    a, b, c = (round_to_bf16_(torch.empty(10_000, dtype=torch.bfloat16), x, torch.Generator().manual_seed(s)) for s in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_rounder_state_dict_resumes_the_stream():
+    x = torch.randn(1000)
+    r = StochasticRounder(seed=3)
+    r.round_(torch.empty(1000, dtype=torch.bfloat16), x)
+    saved = r.state_dict()
+    first = r.round_(torch.empty(1000, dtype=torch.bfloat16), x).clone()
+    other = StochasticRounder(seed=99)
+    other.load_state_dict(saved)
+    assert other.seed == 3 and torch.equal(other.round_(torch.empty(1000, dtype=torch.bfloat16), x), first)
+
+
+@pytest.mark.parametrize("state, match", [
+    ("x", "expected a dict with 'seed' and 'generators'"),
+    ({"seed": -1, "generators": {}}, r"\['seed'\]=-1"),
+    ({"seed": 0, "generators": {"nodevice": torch.Generator().get_state()}}, "'nodevice' is not a device"),
+    ({"seed": 0, "generators": {"cpu": torch.zeros(3)}}, "expected a generator state"),
+])
+def test_bad_state_is_refused_before_anything_changes(state, match):
+    r = StochasticRounder(seed=5)
+    before = r.state_dict()
+    with pytest.raises(ValueError, match=match):
+        r.load_state_dict(state)
+    assert r.seed == 5 and r.state_dict()["generators"].keys() == before["generators"].keys()
+
+
+def test_dtypes_are_checked():
+    with pytest.raises(TypeError, match="bfloat16 dst and a float32 src"):
+        round_to_bf16_(torch.empty(3, dtype=torch.float16), torch.zeros(3))
