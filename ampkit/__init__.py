@@ -19,7 +19,7 @@ _EXPORTS = {
     "NoEffectWarning": "errors",
     "OPT_LEVELS": "opt_levels", "Properties": "opt_levels",
     "LossScaler": "scaler",
-    "capabilities": "capabilities", "Capabilities": "capabilities",
+    "capabilities": "hardware", "Capabilities": "hardware",
     "loss_scalers": "health", "step_was_skipped": "health",
     "checkpoint": "", "normalization": "", "parallel": "", "surgery": "", "fp16_utils": "",
     "float8": "", "footprint": "", "stochastic_rounding": "",

@@ -282,8 +282,10 @@ def initialize(
             of ``models``; ``None`` for inference-only models.
         enabled: ``False`` turns ampkit off: models and optimizers are returned unchanged and
             ``scale_loss`` yields the loss as it is.
-        opt_level: ``"O0"``..``"O5"``: fp32; autocast fp16 (O1); fp16 model + fp32 masters
-            (O2); pure fp16 (O3); autocast bf16 (O4); bf16 model + fp32 masters (O5).
+        opt_level: ``"O0"``..``"O7"``: fp32; autocast fp16 (O1); fp16 model + fp32 masters
+            (O2); pure fp16 (O3); autocast bf16 (O4); bf16 model + fp32 masters (O5); O5 with
+            fp8 linear layers (O6); pure bf16 with stochastically rounded updates (O7); or
+            ``"auto"``: the fastest safe level for the model's device (see ``ampkit.capabilities``).
         cast_model_type: dtype the model's floating parameters and buffers are cast to
             (``torch.float16``/``bfloat16``/``float32``/``float64``), or ``False`` for no cast.
         patch_torch_functions: ``True`` runs the model's forward under ``torch.autocast``
@@ -307,6 +309,17 @@ def initialize(
         ddp: wrap each prepared model in ``ampkit.parallel.DistributedDataParallel``
             (the default process group must be initialized).
         ddp_kwargs: keyword arguments for that wrapper.
+        fsdp: shard each model with FSDP2 (``torch.distributed.fsdp.fully_shard``), the
+            level mapped onto FSDP2's ``MixedPrecisionPolicy`` (see "Beyond one GPU's memory").
+        fsdp_kwargs: ``{"blocks": [module classes sharded one group each], "mesh": ...,
+            "reshard_after_forward": ...}``.
+        update_rounding: ``"stochastic"`` or ``"nearest"``: half weights without masters take
+            an fp32 update computed per step and rounded back (O7: stochastic).
+        optimizer_state_dtype: ``torch.bfloat16`` keeps the optimizer state in bf16 (with
+            ``update_rounding``).
+        fp8: ``True`` (or ``"emulate"``) converts eligible ``nn.Linear`` layers to torchao's
+            Float8Linear (O6; needs ``pip install 'ampkit[fp8]'``).
+        fp8_exclude: module names, or a callable ``(name, module) -> bool``, kept out of fp8.
     """
     global _current
     if not isinstance(enabled, bool):
@@ -326,7 +339,7 @@ def initialize(
 
     auto_note = None
     if opt_level == "auto":
-        from .capabilities import auto_level, model_device
+        from .hardware import auto_level, model_device
 
         opt_level, auto_note = auto_level(model_device(model_list[0]) or "cpu")
     defaults, props, applied, notes = opt_levels.resolve(
@@ -342,8 +355,6 @@ def initialize(
         optimizer_state_dtype=optimizer_state_dtype,
         fp8=fp8,
     )
-    if auto_note is not None:
-        notes.insert(0, auto_note)
     if cast_model_outputs is not None and not (
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs in opt_levels.FLOAT_DTYPES
     ):
@@ -414,6 +425,8 @@ def initialize(
     for m in model_list:
         _runs[m] = session
     _report(session, defaults, applied, notes, opt_list, use_masters)
+    if auto_note is not None and verbosity > 0 and is_main_process():
+        session.log("%s", auto_note)
     if ddp:
         model_list = [_wrap_ddp(m, props, ddp_kwargs or {}) for m in model_list]
         models = model_list[0] if single_model else model_list

