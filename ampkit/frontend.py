@@ -380,8 +380,6 @@ def initialize(
     from .parallel import fsdp as fsdp_
 
     sharding = fsdp_.plan(model_list, opt_list, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs)
-    if sharding is not None:
-        notes = notes + sharding.notes
     if props.fp8:
         float8.require()
         fp8_exclude = float8.check_exclude(model_list, fp8_exclude)
@@ -425,8 +423,9 @@ def initialize(
     for m in model_list:
         _runs[m] = session
     _report(session, defaults, applied, notes, opt_list, use_masters)
-    if auto_note is not None and verbosity > 0 and is_main_process():
-        session.log("%s", auto_note)
+    if verbosity > 0 and is_main_process():
+        for info in ([auto_note] if auto_note is not None else []) + (sharding.notes if sharding is not None else []):
+            session.log("%s", info)
     if ddp:
         model_list = [_wrap_ddp(m, props, ddp_kwargs or {}) for m in model_list]
         models = model_list[0] if single_model else model_list

@@ -10,6 +10,7 @@ its shards) and ``--resume`` continues from it; ``--export`` writes one float32 
 from rank 0 for use without FSDP.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -78,6 +79,10 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     train(args, device)
+    # The sharded model sits in reference cycles: free it (and its communication state) before
+    # the process group goes, so no gloo thread is left running at interpreter exit.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
