@@ -13,6 +13,7 @@ import ampkit
 from ampkit.apex_lists import use_apex_fp32_list
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+pytestmark = pytest.mark.repo_files("README.md")
 W = torch.randn(4, 4)
 IDX = torch.zeros(4, dtype=torch.long)
 

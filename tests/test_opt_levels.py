@@ -140,6 +140,7 @@ def test_o7_with_masters_or_without_rounding_falls_back_quietly():
     assert final.update_rounding is None and final.optimizer_state_dtype is None and len(notes) == 1
 
 
+@pytest.mark.repo_files("README.md")
 def test_readme_table_matches_opt_levels():
     from pathlib import Path
 

@@ -8,10 +8,14 @@ generous (minutes): they end a hung run and never decide a verdict on a slow mac
 """
 import datetime
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from multiprocessing import get_context
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,3 +80,27 @@ def run(fn, world_size, *args, timeout=600.0, pg_timeout=300.0):
     if not all(o["ok"] for o in outcomes):
         raise WorkerError("\n".join(f"rank {r}: {o.get('traceback') or o['error']}" for r, o in enumerate(outcomes)))
     return [o["value"] for o in outcomes]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun_example(script, *args, nproc=2):
+    """Run ``examples/<script>`` under torchrun (``python -m torch.distributed.run``) on
+    ``nproc`` CPU processes; return its output, or fail with it when it exits non-zero. The
+    deadline only ends a hung run."""
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(ROOT / "examples" / script), *map(str, args)]
+    # A session of its own, so that the hang guard takes torchrun's workers down with it.
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output
+    return output
