@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
+from . import text_table
 from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
 from .footprint import bytes_per_param
 from .frontend import current_session
@@ -359,9 +360,7 @@ COLUMNS = [
 def format_table(rows: List[dict]) -> str:
     head = [c[0] for c in COLUMNS]
     body = [["-" if r[key] is None else fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in rows]
-    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
-    line = lambda cells: "  ".join(c.rjust(w) if i >= 5 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    return text_table.format_table(head, body, left=5)
 
 
 def _installed(levels):

@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from . import text_table
+
 HALF_DTYPE = "half_dtype"  # table marker: "cast the model to the level's half dtype"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -296,11 +298,8 @@ def format_table() -> str:
     """The property table as aligned text (what ``ampkit levels`` prints)."""
     names = ["level"] + list(OVERRIDES)
     rows = [[lvl] + [_show(getattr(p, n)) for n in OVERRIDES] for lvl, p in OPT_LEVELS.items()]
-    widths = [max(len(r[i]) for r in [names] + rows) for i in range(len(names))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-    out = [line(names), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    out += [""] + [f"{lvl}: {BRIEF[lvl]}" for lvl in OPT_LEVELS]
-    return "\n".join(out)
+    briefs = [f"{lvl}: {BRIEF[lvl]}" for lvl in OPT_LEVELS]
+    return "\n".join([text_table.format_table(names, rows, left=len(names)), ""] + briefs)
 
 
 def _show(value) -> str:

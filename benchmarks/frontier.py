@@ -34,6 +34,7 @@ import ampkit
 from ampkit.demo import isolated, machine
 from ampkit.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
 from ampkit.footprint import persistent_bytes
+from run import table  # benchmarks/run.py: the same table layout
 
 LM = LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=16)  # the demo LM at d_model 64 (demo: 256)
 QUICK_LM = LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4)
@@ -157,17 +158,6 @@ def bench_fp8(spec, steps, threads):
         if "loss" in row:
             row["vs_O5_loss"] = row["loss"] - o5["loss"]
     return rows
-
-
-def table(rows, columns):
-    def cell(r, key, fmt):
-        v = r.get(key)
-        return "-" if v is None else fmt.format(v)
-    head = [c[0] for c in columns]
-    body = [[cell(r, k, f) for _, k, f in columns] for r in rows]
-    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
 
 
 def targets(bf16, fp8):

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampkit
 from ampkit.demo import MemoryMeter, isolated, machine, peak_rss_bytes
 from ampkit.demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+from ampkit.text_table import format_table
 
 HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
 FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile")
@@ -545,9 +546,7 @@ def table(rows, columns):
         return "-" if v is None else fmt.format(v)
     head = [c[0] for c in columns]
     body = [[cell(r, k, f) for _, k, f in columns] for r in rows]
-    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
+    return format_table(head, body)
 
 
 def report(results, quick):
