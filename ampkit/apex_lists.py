@@ -93,7 +93,11 @@ class _ApexFp32Mode(TorchFunctionMode):
 
 
 def in_apex_fp32_region(fn, args, kwargs):
-    """``fn(*args, **kwargs)``, inside the float32-list mode when switched on (the model's forward)."""
+    """``fn(*args, **kwargs)``, inside the float32-list mode when switched on (the model's forward).
+
+    A call, not a second context manager beside the model's autocast: torch.compile does not
+    trace a nullcontext nested in the autocast block of the same ``with``.
+    """
     if not _enabled:
         return fn(*args, **kwargs)
     with _ApexFp32Mode():
