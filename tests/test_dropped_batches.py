@@ -60,6 +60,11 @@ def run(level, drop=None, where=None, exc=Dropped):
             raise exc("out of memory, retry later")  # after the block, before step()
         except exc:
             pass
+    return snapshot(model, opt)
+
+
+def snapshot(model, opt):
+    """Everything a dropped batch could have touched: weights, masters, optimizer and scaler state."""
     scaler = current_session("test").scalers[0]
     return {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
@@ -101,14 +106,7 @@ def run_without(level, skip):
         with ampkit.scale_loss(_loss(model, x, y), opt) as s:
             s.backward()
         opt.step()
-    scaler = current_session("test").scalers[0]
-    return {
-        "model": {k: v.clone() for k, v in model.state_dict().items()},
-        "params": [p.detach().clone() for p in model.parameters()],
-        "masters": [p.detach().clone() for p in ampkit.master_params(opt)],
-        "opt": repr(opt.state_dict()["state"]),
-        "scaler": (scaler.loss_scale(), scaler.unskipped, scaler.skipped_steps),
-    }
+    return snapshot(model, opt)
 
 
 def grad_scaler_run(drop, where):

@@ -66,6 +66,15 @@ def _sparse_trainable(level):
     return level not in ("O2", "O3") or ampkit.casting._sparse_add_works(torch.float16, torch.device("cpu"))
 
 
+def backward(loss, opt, amp):
+    """``loss.backward()``, through ``ampkit.scale_loss`` when ``amp`` (the fp32 reference has none)."""
+    if not amp:
+        loss.backward()
+        return
+    with ampkit.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_sparse_embeddings_refused_where_torch_cannot_add_their_half_gradients(level):
     if _sparse_trainable(level):
@@ -147,11 +156,7 @@ def test_complex_parameters_train_like_float32(level):
             x, y = torch.randn(8, 4, generator=g), torch.rand(8, 3, generator=g)
             opt.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
-            if lvl is None:
-                loss.backward()
-            else:
-                with ampkit.scale_loss(loss, opt) as s:
-                    s.backward()
+            backward(loss, opt, amp=lvl is not None)
             opt.step()
         results.append(model.state_dict())
     ref, ours = results
@@ -199,11 +204,7 @@ def test_zero_grad_set_to_none_false_zero_fills_masters_too(level):
             grads.append([None if p.grad is None else p.grad.clone() for p in ampkit.master_params(opt)])
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
             loss = nn.functional.mse_loss(model(x), y)
-            if lvl is None:
-                loss.backward()
-            else:
-                with ampkit.scale_loss(loss, opt) as s:
-                    s.backward()
+            backward(loss, opt, amp=lvl is not None)
             opt.step()
         runs.append((grads, model.state_dict()))
     (ref_grads, ref_sd), (grads, sd) = runs
