@@ -32,6 +32,7 @@ import ampkit
 from . import text_table
 from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
 from .footprint import bytes_per_param
+from .progress import Progress
 from .frontend import current_session
 
 LEVELS = tuple(ampkit.OPT_LEVELS)
@@ -241,31 +242,6 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-class Progress:
-    """A one-line progress bar on stderr (a line per finished run when stderr is not a terminal)."""
-
-    def __init__(self, total_runs: int, steps: int, stream=sys.stderr):
-        self.total, self.steps, self.stream = total_runs, steps, stream
-        self.tty = stream.isatty()
-        self.run = 0
-
-    def start(self, label: str) -> None:
-        self.run += 1
-        self.label = f"[{self.run:2d}/{self.total}] {label}"
-        self.started = time.perf_counter()
-
-    def step(self, done: int) -> None:
-        if self.tty:
-            bar = "#" * (24 * done // self.steps)
-            self.stream.write(f"\r{self.label}  {bar:<24} {done}/{self.steps} steps")
-            self.stream.flush()
-
-    def finish(self) -> None:
-        line = f"{self.label}  done in {time.perf_counter() - self.started:.1f} s"
-        self.stream.write(("\r" + line + "\033[K\n") if self.tty else line + "\n")
-        self.stream.flush()
-
-
 def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", progress: bool = True,
         scale: float = 1.0, threads: int = 0) -> List[dict]:
     """Train every model at every level, each in a fresh process; return the rows."""
@@ -344,7 +320,7 @@ def describe(caps) -> List[str]:
         lines.append("  Half precision is emulated on this CPU: here it only saves memory, and half levels are "
                      "expected to run slower than O0 (the tiny demo runs are dominated by fixed costs).")
     elif caps.device == "cpu" and not caps.native_fp16:
-        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5) is the fast path.")
+        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5/O7) is the fast path.")
     return lines
 
 

@@ -12,9 +12,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .opt_levels import OPT_LEVELS
+
 SPEED = "speed and memory"
 MEMORY = "memory only"
 SLOWER = "memory only, slower than O0 (emulated)"
+FP8_EMULATED = "fp8 numerics only, slower than O5 (no fp8 matmul)"
 NONE = "baseline"
 
 # oneDNN ISA caps below the first one with bfloat16 dot products (AVX512_CORE_BF16).
@@ -33,7 +36,7 @@ class Capabilities:
     native_fp16: bool
     bf16_via: str  # what runs bfloat16 matmuls natively ("AMX", "AVX512-BF16", "tensor cores", "" if emulated)
     fp16_via: str
-    levels: Dict[str, str]  # opt level -> SPEED, MEMORY, SLOWER or NONE
+    levels: Dict[str, str]  # opt level -> SPEED, MEMORY, SLOWER, FP8_EMULATED or NONE
 
     def line(self) -> str:
         """One line naming the device and its half-precision support (for figures and logs)."""
@@ -74,8 +77,13 @@ def _cuda_info(index: int) -> Tuple[str, Tuple[int, int]]:
     return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
 
 
-def _levels(bf16: str, fp16: str) -> Dict[str, str]:
-    return {"O0": NONE, "O1": fp16, "O2": fp16, "O3": fp16, "O4": bf16, "O5": bf16}
+def _levels(bf16: str, fp16: str, fp8: str = FP8_EMULATED) -> Dict[str, str]:
+    """Every row of the opt-level table, by what it computes in: fp8, bfloat16, float16 or fp32."""
+    def gain(props):
+        if props.fp8:
+            return fp8
+        return {torch.bfloat16: bf16, torch.float16: fp16}.get(props.half_dtype, NONE)
+    return {name: gain(props) for name, props in OPT_LEVELS.items()}
 
 
 def _cpu() -> Capabilities:
@@ -106,10 +114,11 @@ def _cuda(device: torch.device) -> Capabilities:
     name, (major, minor) = _cuda_info(index)
     fp16 = major >= 7  # tensor cores from Volta
     bf16 = major >= 8  # bfloat16 tensor cores from Ampere
+    fp8 = (major, minor) >= (8, 9)  # fp8 tensor cores from Ada and Hopper
     return Capabilities(
         device=f"cuda:{index}", name=name, isa=f"sm_{major}{minor}", native_bf16=bf16, native_fp16=fp16,
         bf16_via="tensor cores" if bf16 else "", fp16_via="tensor cores" if fp16 else "",
-        levels=_levels(SPEED if bf16 else MEMORY, SPEED if fp16 else MEMORY),
+        levels=_levels(SPEED if bf16 else MEMORY, SPEED if fp16 else MEMORY, SPEED if fp8 else FP8_EMULATED),
     )
 
 

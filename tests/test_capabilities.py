@@ -51,6 +51,8 @@ def test_cpu_profiles(cpu, profile, bf16, fp16, level):
     assert caps.levels["O0"] == caps_module.NONE
     assert caps.levels["O5"] == caps.levels["O4"] == (caps_module.SPEED if bf16 else caps_module.SLOWER)
     assert caps.levels["O2"] == (caps_module.SPEED if fp16 else caps_module.SLOWER)
+    assert list(caps.levels) == list(ampkit.OPT_LEVELS)  # every row of the table, new levels included
+    assert caps.levels["O7"] == caps.levels["O5"] and caps.levels["O6"] == caps_module.FP8_EMULATED
     assert ("bfloat16 native" in caps.line()) == bool(bf16) and CPUS[profile][0] in caps.line()
     assert caps_module.auto_level("cpu")[0] == level
 
@@ -65,7 +67,8 @@ def test_onednn_isa_cap_turns_native_bf16_off(cpu):
 
 
 @pytest.mark.parametrize("cc, level, bf16, fp16", [
-    ((9, 0), "O5", True, True), ((8, 0), "O5", True, True), ((7, 5), "O2", False, True), ((6, 1), "O0", False, False),
+    ((9, 0), "O5", True, True), ((8, 9), "O5", True, True), ((8, 0), "O5", True, True), ((7, 5), "O2", False, True),
+    ((6, 1), "O0", False, False),
 ])
 def test_cuda_profiles(monkeypatch, cc, level, bf16, fp16):
     monkeypatch.setattr(caps_module, "_cuda_info", lambda index: (f"GPU{index}", cc))
@@ -74,6 +77,8 @@ def test_cuda_profiles(monkeypatch, cc, level, bf16, fp16):
     assert (caps.native_bf16, caps.native_fp16) == (bf16, fp16)
     assert caps.levels["O5"] == (caps_module.SPEED if bf16 else caps_module.MEMORY)
     assert caps.levels["O1"] == (caps_module.SPEED if fp16 else caps_module.MEMORY)
+    assert caps.levels["O7"] == caps.levels["O5"]
+    assert caps.levels["O6"] == (caps_module.SPEED if cc >= (8, 9) else caps_module.FP8_EMULATED)
     chosen, why = caps_module.auto_level(torch.device("cuda:1"))
     assert chosen == level and f"chose {level}" in why and "sm_" in why
 

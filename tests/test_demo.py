@@ -49,9 +49,9 @@ def test_describe_says_plainly_when_half_only_saves_memory(monkeypatch):
     text = "\n".join(demo.describe(_caps(monkeypatch, {"avx2"})))
     assert "Test CPU" in text and "only saves memory" in text and "slower than O0" in text
     text = "\n".join(demo.describe(_caps(monkeypatch, {"avx512_bf16"})))
-    assert "O4/O5: speed and memory" in text and "O1/O2/O3 only save memory" in text
+    assert "O4/O5/O7: speed and memory" in text and "O1/O2/O3 only save memory" in text
     text = "\n".join(demo.describe(_caps(monkeypatch, {"amx_bf16", "amx_fp16"})))
-    assert "only save" not in text and "O1/O2/O3/O4/O5: speed and memory" in text
+    assert "only save" not in text and "O1/O2/O3/O4/O5/O7: speed and memory" in text
 
 
 def test_default_demo_probes_then_runs(tmp_path, capsys):
