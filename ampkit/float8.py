@@ -45,7 +45,11 @@ def available() -> bool:
 
 
 def check_exclude(models: List[nn.Module], exclude: Exclude):
-    """``exclude`` as a tuple of names or a callable; every name must name a module of some model."""
+    """``exclude`` (``initialize``'s ``fp8_exclude``) as a tuple of names or a callable.
+
+    ``models``: the models being initialized; every name in ``exclude`` must name a module of
+    one of them (as in ``named_modules()``), else a ValueError lists the unknown names.
+    """
     if exclude is None:
         return ()
     if callable(exclude):
@@ -69,7 +73,11 @@ def _excluded(name: str, module: nn.Module, exclude) -> bool:
 
 
 def eligible(model: nn.Module, exclude=()) -> List[str]:
-    """Names of the layers of ``model`` that ``fp8`` converts (see the module docstring)."""
+    """Names of the layers of ``model`` that ``fp8`` converts (see the module docstring).
+
+    ``exclude``: names to keep out (as in ``named_modules()``), or a callable ``(name, module)
+    -> bool`` returning True for modules to keep out.
+    """
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     head = linears[-1][0] if linears else None
     return [
@@ -94,7 +102,12 @@ def has_fp8_matmul(device: torch.device) -> bool:
 
 
 def convert_(model: nn.Module, mode: Union[bool, str], exclude=(), log: Optional[Callable] = None) -> List[str]:
-    """Swap the eligible layers of ``model`` for ``Float8Linear`` in place; return their names."""
+    """Swap the eligible layers of ``model`` for ``Float8Linear`` in place; return their names.
+
+    ``mode``: ``True`` (``torch._scaled_mm`` where the device has it, else emulated) or
+    ``"emulate"``; ``exclude``: as in :func:`eligible`; ``log``: a ``logging``-style callable
+    told which layers were converted and how (nothing is logged when it is ``None``).
+    """
     float8 = require()
     names = set(eligible(model, exclude))
     if not names:

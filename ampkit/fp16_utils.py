@@ -105,7 +105,12 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
 
 
 def model_grads_to_master_grads(model_params, master_params, flat_master: bool = False) -> None:
-    """Copy the model's gradients into the masters' fp32 gradients (``None`` stays ``None``)."""
+    """Copy the model's gradients into the masters' fp32 gradients (``None`` stays ``None``).
+
+    ``model_params``: the model's half parameters; ``master_params``: their fp32 masters, in
+    the same order, or with ``flat_master=True`` one flat fp32 tensor holding them all (as
+    :func:`prep_param_lists` returns them).
+    """
     if flat_master:
         master_params[0].grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
         return
@@ -122,7 +127,8 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
 
 
 def master_params_to_model_params(model_params, master_params, flat_master: bool = False) -> None:
-    """Copy the masters' values into the model's parameters."""
+    """Copy the masters' values into the model's parameters (arguments as in
+    :func:`model_grads_to_master_grads`)."""
     if flat_master:
         masters = _unflatten_dense_tensors(master_params[0].detach(), model_params)
     else:
@@ -187,8 +193,8 @@ class LossScaler:
 
 
 class DynamicLossScaler(LossScaler):
-    """Apex's dynamic loss scaler: divide by ``scale_factor`` on overflow (never below 1),
-    multiply by it after ``scale_window`` clean steps."""
+    """Apex's dynamic loss scaler: starting at ``init_scale``, divide by ``scale_factor`` on
+    overflow (never below 1), multiply by it after ``scale_window`` clean steps."""
 
     def __init__(self, init_scale: float = 2.0**32, scale_factor: float = 2.0, scale_window: int = 1000):
         _check_scale("DynamicLossScaler(init_scale=...)", init_scale)
@@ -221,6 +227,11 @@ class FP16_Optimizer:
         optimizer.backward(loss)         # scaled backward, grads into the fp32 masters
         optimizer.clip_master_grads(1.0)  # optional
         optimizer.step()                 # skipped after an overflow; masters copied into the model
+
+    ``static_loss_scale``: the fixed scale when ``dynamic_loss_scale`` is False;
+    ``dynamic_loss_scale``: scale dynamically (:class:`DynamicLossScaler`), built from
+    ``dynamic_loss_args`` (its keyword arguments, e.g. ``{"init_scale": 2**16}``) when given;
+    ``verbose``: log overflow-skipped steps at INFO (Apex printed them).
     """
 
     def __init__(self, init_optimizer, static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False,

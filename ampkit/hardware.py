@@ -27,16 +27,27 @@ _CPU_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", 
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-    """Native half-precision support of one device, and the expected gain per opt level."""
+    """Native half-precision support of one device, and the expected gain per opt level.
+
+    Attributes:
+        device: the device, e.g. ``"cpu"`` or ``"cuda:0"``.
+        name: CPU model or GPU name.
+        isa: CPU: torch's kernel level (AVX512, AVX2, ...) plus the relevant flags; CUDA: ``sm_XY``.
+        native_bf16: bfloat16 matmuls run natively (not converted to float32 around each op).
+        native_fp16: the same for float16.
+        bf16_via: what runs them natively (``"AMX"``, ``"AVX512-BF16"``, ``"tensor cores"``), ``""`` if emulated.
+        fp16_via: the same for float16.
+        levels: opt level -> expected gain there (``SPEED``, ``MEMORY``, ``SLOWER``, ``FP8_EMULATED``, ``NONE``).
+    """
 
     device: str
     name: str
-    isa: str  # CPU: torch's kernel level (AVX512, AVX2, ...) plus flags; CUDA: sm_XY
+    isa: str
     native_bf16: bool
     native_fp16: bool
-    bf16_via: str  # what runs bfloat16 matmuls natively ("AMX", "AVX512-BF16", "tensor cores", "" if emulated)
+    bf16_via: str
     fp16_via: str
-    levels: Dict[str, str]  # opt level -> SPEED, MEMORY, SLOWER, FP8_EMULATED or NONE
+    levels: Dict[str, str]
 
     def line(self) -> str:
         """One line naming the device and its half-precision support (for figures and logs)."""

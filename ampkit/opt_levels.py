@@ -32,6 +32,13 @@ class Properties:
         loss_scale: ``"dynamic"`` or a static positive scale.
         half_dtype: the level's half dtype (float16 or bfloat16), ``None`` at O0.
         low_precision_layernorm: LayerNorm runs in the half dtype under autocast.
+        update_rounding: ``None`` (the optimizer updates what it holds), or ``"stochastic"`` /
+            ``"nearest"``: half weights without masters, each update computed in fp32 and
+            rounded back that way (O7).
+        optimizer_state_dtype: dtype the optimizer's elementwise state is kept in between
+            steps at ``update_rounding`` levels; ``None`` keeps the optimizer's own.
+        fp8: ``True`` (fp8 matmuls, emulated where the device has none), ``"emulate"``, or
+            ``False``: torchao ``Float8Linear`` in eligible Linear layers (O6).
     """
 
     opt_level: str
@@ -42,9 +49,9 @@ class Properties:
     loss_scale: Union[float, str]
     half_dtype: Optional[torch.dtype]
     low_precision_layernorm: bool = False
-    update_rounding: Optional[str] = None  # None, or how an fp32 update returns to half weights
-    optimizer_state_dtype: Optional[torch.dtype] = None  # None: the dtype the optimizer makes
-    fp8: Union[bool, str] = False  # True, "emulate" or False: torchao Float8Linear layers
+    update_rounding: Optional[str] = None
+    optimizer_state_dtype: Optional[torch.dtype] = None
+    fp8: Union[bool, str] = False
 
     def rows(self) -> List[Tuple[str, Any]]:
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
