@@ -16,6 +16,7 @@ weights and sees the same batches.
 import dataclasses
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import platform
@@ -162,6 +163,22 @@ def _dtypes(tensors) -> str:
     return "+".join(SHORT.get(d, str(d)) for d in sorted(numel, key=numel.get, reverse=True))
 
 
+def _import_torchao() -> None:
+    """Import torchao with its import-time log lines held back (a CUDA kernel library it
+    cannot load on this machine, a torch deprecation notice): they say nothing about the run."""
+    from . import float8
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        float8.require()
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: float = 1.0, threads: int = 0,
           report: Optional[Callable] = None) -> dict:
     """Train ``model_name`` at ``level`` for ``steps`` steps on batches ``scale`` times the
@@ -170,6 +187,8 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: f
         torch.set_num_threads(threads)
     dev = torch.device(device)
     batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name, scale)]
+    if ampkit.OPT_LEVELS[level].fp8:
+        _import_torchao()  # before the meter: torchao's code is not the run's memory
     meter = MemoryMeter(dev)
     model, optimizer, loss_fn = _model(model_name)
     model, optimizer = ampkit.initialize(model.to(dev), optimizer, opt_level=level, verbosity=0)
