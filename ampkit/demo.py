@@ -187,7 +187,7 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: f
         torch.set_num_threads(threads)
     dev = torch.device(device)
     batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name, scale)]
-    if ampkit.OPT_LEVELS[level].fp8:
+    if getattr(ampkit.OPT_LEVELS.get(level), "fp8", False):  # an unknown level fails in initialize
         _import_torchao()  # before the meter: torchao's code is not the run's memory
     meter = MemoryMeter(dev)
     model, optimizer, loss_fn = _model(model_name)
