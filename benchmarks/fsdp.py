@@ -4,12 +4,13 @@
 
 1. memory: per-rank peak memory of O5 on FSDP2 (``initialize(..., fsdp=True)``) vs O5 on DDP
    (``initialize(..., ddp=True)``), AdamW, a transformer LM of >= 50M parameters; each variant
-   in 2 fresh processes. Peak = the rise of the RSS high-water mark (CUDA: of the peak
-   allocated memory) from before the model is built. On CPU each pair runs twice: with glibc's
-   default malloc, whose heap keeps freed blocks (fragmentation the gloo threads' arenas make
-   worse), and with ``MALLOC_MMAP_THRESHOLD_=65536``, which maps every block >= 64 KiB and
-   returns it when freed, so that RSS follows the live tensors as CUDA's counter does. The
-   target is checked on the latter. Target: FSDP2 <= 0.6x DDP.
+   in 2 fresh processes, peaks counted from before the model is built. On CUDA: the peak
+   allocated memory. On CPU, three measures, each in its own processes: the peak of the live
+   tensor bytes (:class:`LiveBytesMeter`, the CPU counterpart of CUDA's figure and what
+   sharding controls; the target is checked on it), and the rise of the RSS high-water mark
+   with glibc's default malloc, whose heap keeps freed blocks (allocator retention the gloo
+   threads' arenas make worse), and with ``MALLOC_MMAP_THRESHOLD_=65536``, which maps every
+   block >= 64 KiB and returns it when freed. Target: FSDP2 <= 0.6x DDP.
 2. step time: ampkit O5 on FSDP2 vs a hand-written ``fully_shard`` + ``MixedPrecisionPolicy``
    loop on the same model (a smaller LM, so that many steps fit), both in the same 2
    processes, alternating step by step (which goes first alternates too). Target: median of
@@ -31,6 +32,7 @@ from statistics import median, quantiles
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
 import ampkit
 from ampkit.demo import MemoryMeter, machine
@@ -126,8 +128,51 @@ def _sync(device):
     dist.barrier()
 
 
-def memory_worker(rank, device, variant, cfg, steps):
-    meter = MemoryMeter(device)
+class LiveBytesMeter:
+    """Peak live tensor bytes on CPU from construction on (one per process): the CPU
+    allocator's running total of bytes allocated and not yet freed, which ``torch.profiler``
+    (``profile_memory=True``) records at every allocation and free in every thread of the
+    process, gloo's worker threads included. The CPU counterpart of
+    ``torch.cuda.max_memory_allocated``; memory outside torch's allocator (gloo's transport
+    buffers, oneDNN scratch, the heap's retention) is not counted."""
+
+    def __init__(self):
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.start()
+
+    def peak_mib(self) -> float:
+        self.prof.stop()
+        events, allocs = list(self.prof.profiler.kineto_results.experimental_event_tree()), []
+        while events:
+            e = events.pop()
+            events += e.children
+            if e.tag == torch._C._profiler._EventType.Allocation:
+                allocs.append(e.extra_fields)
+        # The total before the first event: the profiler counts only what was allocated while
+        # it ran, so the total never drops below it.
+        base = min(a.total_allocated - a.alloc_size for a in allocs)
+        return (max(a.total_allocated for a in allocs) - base) / 2**20
+
+
+def meter_check_worker(rank, device):
+    """LiveBytesMeter on known patterns: allocate 10 MiB, free, allocate 4 MiB (peak 10 MiB);
+    gloo's all_gather into preallocated outputs, whose flat buffer gloo allocates in its own
+    worker thread (the main thread allocates nothing)."""
+    mib = 2**20
+    meter = LiveBytesMeter()
+    a = torch.empty(10 * mib, dtype=torch.uint8)
+    del a
+    b = torch.empty(4 * mib, dtype=torch.uint8)
+    pattern = meter.peak_mib()
+    del b
+    x, out = torch.ones(4 * mib, dtype=torch.uint8), [torch.empty(4 * mib, dtype=torch.uint8) for _ in range(WORLD)]
+    meter = LiveBytesMeter()
+    dist.all_gather(out, x)
+    return {"pattern_mib": pattern, "gloo_all_gather_mib": meter.peak_mib()}
+
+
+def memory_worker(rank, device, variant, cfg, steps, measure):
+    meter = LiveBytesMeter() if measure == "live" else MemoryMeter(device)
     model, opt = (_ampkit_fsdp if variant == "fsdp" else _ampkit_ddp)(cfg, device)
     for x, y in lm_batches(cfg, steps, seed=rank):
         _ampkit_step(model, opt, x.to(device), y.to(device))
@@ -150,19 +195,26 @@ def speed_worker(rank, device, cfg, steps, warmup):
     return times
 
 
-MALLOC = {"glibc default": {}, "blocks >= 64 KiB mmapped": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+# name: (meter, environment); the target is checked on the first.
+MEASURES = {"cpu": {"live tensor bytes (torch.profiler)": ("live", {}),
+                    "RSS rise, glibc default heap": ("rss", {}),
+                    "RSS rise, blocks >= 64 KiB mmapped": ("rss", {"MALLOC_MMAP_THRESHOLD_": "65536"})},
+            "cuda": {"allocated bytes (torch.cuda.max_memory_allocated)": ("cuda", {})}}
 
 
 def bench_memory(cfg, device_type, threads):
     rows = []
-    for malloc, env in (MALLOC.items() if device_type == "cpu" else [("cuda allocator", {})]):
+    for measure, (meter, env) in MEASURES[device_type].items():
         peaks = {}
         for variant in ("ddp", "fsdp"):
-            peaks[variant] = launch(memory_worker, device_type, threads, variant, cfg["lm"], cfg["memory_steps"], env=env)
+            peaks[variant] = launch(memory_worker, device_type, threads, variant, cfg["lm"], cfg["memory_steps"], meter, env=env)
         ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
-        rows.append({"malloc": malloc, "ddp_mib_per_rank": peaks["ddp"], "fsdp_mib_per_rank": peaks["fsdp"], "ratio": ratio})
-    return {"lm": str(cfg["lm"]), "params": sum(p.numel() for p in TinyLM(cfg["lm"]).parameters()), "rows": rows,
-            "fsdp_vs_ddp": rows[-1]["ratio"]}
+        rows.append({"measure": measure, "ddp_mib_per_rank": peaks["ddp"], "fsdp_mib_per_rank": peaks["fsdp"], "ratio": ratio})
+    out = {"lm": str(cfg["lm"]), "params": sum(p.numel() for p in TinyLM(cfg["lm"]).parameters()), "rows": rows,
+           "fsdp_vs_ddp": rows[0]["ratio"]}
+    if device_type == "cpu":
+        out["meter_check"] = launch(meter_check_worker, device_type, threads)
+    return out
 
 
 def bench_speed(cfg, device_type, threads):
@@ -179,11 +231,17 @@ def report(results, quick):
     if "memory" in results:
         m = results["memory"]
         out += [f"\n1. Per-rank peak memory, O5, AdamW, 2 ranks (LM {m['params'] / 1e6:.1f}M params)",
-                table(m["rows"], [("malloc", "malloc", "{}"),
+                table(m["rows"], [("measure", "measure", "{}"),
                                   ("DDP MiB (rank 0, 1)", lambda r: " ".join(f"{v:.0f}" for v in r["ddp_mib_per_rank"]), "{}"),
                                   ("FSDP2 MiB (rank 0, 1)", lambda r: " ".join(f"{v:.0f}" for v in r["fsdp_mib_per_rank"]), "{}"),
                                   ("FSDP2 / DDP", "ratio", "{:.2f}x")]),
-                "(ratio of the larger rank of each; the target is checked on the last row)"]
+                "(ratio of the larger rank of each; the target is checked on the first row: live tensors are what "
+                "sharding controls, RSS adds what the allocator keeps)"]
+        if "meter_check" in m:
+            c = m["meter_check"][0]
+            out.append(f"live-bytes check (rank 0): allocate 10 MiB, free, allocate 4 MiB -> peak {c['pattern_mib']:.2f} MiB; "
+                       f"gloo all_gather of 2x4 MiB into preallocated outputs -> {c['gloo_all_gather_mib']:.2f} MiB "
+                       f"(gloo's flat buffer, allocated in its worker thread)")
     if "speed" in results:
         s = results["speed"]
         out += [f"\n2. Step time on FSDP2, O5, 2 ranks (LM {s['params'] / 1e6:.1f}M params; {s['steps']} steps per "
