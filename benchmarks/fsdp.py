@@ -130,17 +130,18 @@ def _sync(device):
 
 
 class LiveBytesMeter:
-    """Peak live tensor bytes on CPU from construction on: the CPU allocator's running total
-    of bytes allocated and not yet freed, which ``torch.profiler`` (``profile_memory=True``)
-    records at every allocation and free in the threads that run torch ops and collectives,
-    gloo's worker threads included. The CPU counterpart of ``torch.cuda.max_memory_allocated``;
-    memory outside torch's allocator (gloo's transport buffers, oneDNN scratch, the heap's
-    retention) is not counted.
+    """Peak live tensor bytes on CPU from construction on: the running total of the bytes
+    allocated and not yet freed, replayed from the allocation and free events that
+    ``torch.profiler`` (``profile_memory=True``) records in the CPU allocator, in every thread
+    that runs torch ops and collectives (gloo's worker threads included). The CPU counterpart
+    of ``torch.cuda.max_memory_allocated``; memory outside torch's allocator (gloo's transport
+    buffers, oneDNN scratch, the heap's retention) is not counted.
 
-    A free the profiler does not see leaves its bytes in the total: gloo's worker thread can
-    drop the last reference to a collective's input copy after the work's profiled section.
-    Read once the run's tensors are deleted, ``unfreed_mib`` (bytes allocated with no recorded
-    free) measures this: ``peak_mib`` is an upper bound, at most that much above the true peak.
+    Some frees go unrecorded: gloo's worker thread can drop the last reference to a
+    collective's input copy after the work's profiled section. Such a block counts as live
+    until its address is allocated again, or to the end; read once the run's tensors are
+    deleted, ``missed_mib`` sums these blocks. ``peak_mib`` is then an upper bound, at most
+    ``missed_mib`` above the true peak.
     """
 
     def __init__(self):
@@ -156,17 +157,15 @@ class LiveBytesMeter:
             if e.tag == torch._C._profiler._EventType.Allocation:
                 allocs.append((e.start_time_ns, e.extra_fields))
         allocs.sort(key=lambda t_a: t_a[0])
-        live = {}
+        live, total, peak, missed = {}, 0, 0, 0
         for _, a in allocs:
-            if a.alloc_size > 0:
+            held = live.pop(a.ptr, 0)
+            if a.alloc_size > 0:  # a block still held at this address was freed unrecorded
+                missed += held
                 live[a.ptr] = a.alloc_size
-            else:
-                live.pop(a.ptr, None)
-        # The total before the first event: the profiler counts only what was allocated while
-        # it ran, so the total never drops below it.
-        base = min(a.total_allocated - a.alloc_size for _, a in allocs)
-        return {"peak_mib": (max(a.total_allocated for _, a in allocs) - base) / 2**20,
-                "unfreed_mib": sum(live.values()) / 2**20}
+            total += max(a.alloc_size, 0) - held
+            peak = max(peak, total)
+        return {"peak_mib": peak / 2**20, "missed_mib": (missed + sum(live.values())) / 2**20}
 
 
 def meter_check_worker(rank, device):
@@ -187,7 +186,7 @@ def meter_check_worker(rank, device):
 
 
 def memory_worker(rank, device, variant, cfg, steps, measure):
-    """``{"peak_mib": ...}``, with ``unfreed_mib`` for the live-bytes meter."""
+    """``{"peak_mib": ...}``, with ``missed_mib`` for the live-bytes meter."""
     meter = LiveBytesMeter() if measure == "live" else MemoryMeter(device)
     model, opt = (_ampkit_fsdp if variant == "fsdp" else _ampkit_ddp)(cfg, device)
     for x, y in lm_batches(cfg, steps, seed=rank):
@@ -231,7 +230,7 @@ def bench_memory(cfg, device_type, threads):
             ranks = launch(memory_worker, device_type, threads, variant, cfg["lm"], cfg["memory_steps"], meter, env=env)
             row[f"{variant}_mib_per_rank"] = [r["peak_mib"] for r in ranks]
             if meter == "live":
-                row[f"{variant}_unfreed_mib_per_rank"] = [r["unfreed_mib"] for r in ranks]
+                row[f"{variant}_missed_mib_per_rank"] = [r["missed_mib"] for r in ranks]
         row["ratio"] = max(row["fsdp_mib_per_rank"]) / max(row["ddp_mib_per_rank"])
         rows.append(row)
     out = {"lm": str(cfg["lm"]), "params": sum(p.numel() for p in TinyLM(cfg["lm"]).parameters()), "rows": rows,
@@ -263,11 +262,11 @@ def report(results, quick):
                 "sharding controls, RSS adds what the allocator keeps)"]
         if "meter_check" in m:
             live, c = m["rows"][0], m["meter_check"][0]
-            out += [f"live tensor bytes allocated with no recorded free (the peak is at most this much too high): "
-                    f"DDP {' '.join(f'{v:.0f}' for v in live['ddp_unfreed_mib_per_rank'])} MiB, "
-                    f"FSDP2 {' '.join(f'{v:.0f}' for v in live['fsdp_unfreed_mib_per_rank'])} MiB",
+            out += [f"live tensor bytes whose free the profiler missed (each peak is at most this much too high): "
+                    f"DDP {' '.join(f'{v:.0f}' for v in live['ddp_missed_mib_per_rank'])} MiB, "
+                    f"FSDP2 {' '.join(f'{v:.0f}' for v in live['fsdp_missed_mib_per_rank'])} MiB",
                     f"live-bytes check (rank 0): allocate 10 MiB, free, allocate 4 MiB, free -> peak "
-                    f"{c['pattern']['peak_mib']:.2f} MiB, unfreed {c['pattern']['unfreed_mib']:.2f}; gloo all_gather of "
+                    f"{c['pattern']['peak_mib']:.2f} MiB, missed {c['pattern']['missed_mib']:.2f}; gloo all_gather of "
                     f"2x4 MiB into preallocated outputs -> {c['gloo_all_gather']['peak_mib']:.2f} MiB (gloo's flat buffer, "
                     f"allocated in its worker thread)"]
     if "speed" in results:
