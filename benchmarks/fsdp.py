@@ -155,23 +155,24 @@ class LiveBytesMeter:
             e = events.pop()
             events += e.children
             if e.tag == torch._C._profiler._EventType.Allocation:
-                allocs.append((e.start_time_ns, e.extra_fields))
+                allocs.append((e.start_time_ns, e.start_tid, e.extra_fields))
         allocs.sort(key=lambda t_a: t_a[0])
         live, total, peak, missed = {}, 0, 0, 0
-        for _, a in allocs:
+        for _, _, a in allocs:
             held = live.pop(a.ptr, 0)
             if a.alloc_size > 0:  # a block still held at this address was freed unrecorded
                 missed += held
                 live[a.ptr] = a.alloc_size
             total += max(a.alloc_size, 0) - held
             peak = max(peak, total)
-        return {"peak_mib": peak / 2**20, "missed_mib": (missed + sum(live.values())) / 2**20}
+        return {"peak_mib": peak / 2**20, "missed_mib": (missed + sum(live.values())) / 2**20,
+                "threads": len({tid for _, tid, _ in allocs})}
 
 
 def meter_check_worker(rank, device):
-    """LiveBytesMeter on known patterns: allocate 10 MiB, free, allocate 4 MiB (peak 10 MiB);
-    gloo's all_gather into preallocated outputs, whose flat buffer gloo allocates in its own
-    worker thread (the main thread allocates nothing)."""
+    """LiveBytesMeter on known patterns: allocate 10 MiB, free, allocate 4 MiB, free (peak
+    10 MiB, nothing missed); gloo's all_gather into preallocated outputs, whose flat buffer
+    gloo allocates in the calling thread and again in its worker thread."""
     mib = 2**20
     meter = LiveBytesMeter()
     a = torch.empty(10 * mib, dtype=torch.uint8)
@@ -195,7 +196,7 @@ def memory_worker(rank, device, variant, cfg, steps, measure):
     if measure != "live":
         return {"peak_mib": meter.peak_mib()}
     del model, opt, x, y
-    gc.collect()  # FSDP2's state holds reference cycles
+    gc.collect()  # what reference cycles hold
     _sync(device)
     return meter.read()
 
@@ -267,8 +268,9 @@ def report(results, quick):
                     f"FSDP2 {' '.join(f'{v:.0f}' for v in live['fsdp_missed_mib_per_rank'])} MiB",
                     f"live-bytes check (rank 0): allocate 10 MiB, free, allocate 4 MiB, free -> peak "
                     f"{c['pattern']['peak_mib']:.2f} MiB, missed {c['pattern']['missed_mib']:.2f}; gloo all_gather of "
-                    f"2x4 MiB into preallocated outputs -> {c['gloo_all_gather']['peak_mib']:.2f} MiB (gloo's flat buffer, "
-                    f"allocated in its worker thread)"]
+                    f"2x4 MiB into preallocated outputs -> {c['gloo_all_gather']['peak_mib']:.2f} MiB, allocated in "
+                    f"{c['gloo_all_gather']['threads']} threads (gloo's flat buffer, in the calling thread and in its "
+                    f"worker thread)"]
     if "speed" in results:
         s = results["speed"]
         out += [f"\n2. Step time on FSDP2, O5, 2 ranks (LM {s['params'] / 1e6:.1f}M params; {s['steps']} steps per "
