@@ -143,6 +143,13 @@ class _MasterLoadSync:
 class AmpModule:
     """Mixin placed in front of the model's class by :func:`attach`."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__mro__[1] is not AmpModule:  # a class swapped in front after initialize (fully_shard)
+            from .parallel.fsdp import check_calls
+
+            check_calls(cls)
+
     def forward(self, *args, **kwargs):
         st: ModelState = self._ampkit
         if st.dtype_error is not None:

@@ -7,6 +7,7 @@ back until the end of backward.
 """
 import collections
 import inspect
+import sys
 import warnings
 
 import torch
@@ -122,6 +123,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             (NoEffectWarning).
         shared_param: removed in Apex; refused with the replacement to use.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        if fsdp is not None and issubclass(cls, fsdp.FSDPModule):  # fully_shard on this wrapper
+            from .fsdp import check_calls
+
+            check_calls(cls)
 
     def __init__(
         self,

@@ -195,8 +195,9 @@ def adopt_sharded(optimizer: torch.optim.Optimizer, sharded: Dict[torch.Tensor, 
 
 def check_not_resharded(module: nn.Module) -> None:
     """Raise if ``fully_shard`` was applied after ``initialize``, to the model or to a module
-    around it (a DDP wrapper); called from the model's forward when its class was swapped
-    again or FSDP2 marked it as managed."""
+    around it (a DDP wrapper); called by the ``__call__`` that :func:`check_calls` gives the
+    classes ``fully_shard`` swaps in, and from the model's forward when FSDP2 marked it as
+    managed."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None and (isinstance(module, fsdp.FSDPModule) or module.__dict__.get("_is_fsdp_managed_module")):
         raise RuntimeError(
@@ -204,6 +205,22 @@ def check_not_resharded(module: nn.Module) -> None:
             f"the parameters from before sharding, so nothing would train. Pass the unsharded model to "
             f"ampkit.initialize(model, optimizer, opt_level=..., fsdp=True) instead."
         )
+
+
+def check_calls(cls: type) -> None:
+    """Give ``cls``, a class that ``fully_shard`` put in front of an ampkit class, a ``__call__``
+    that runs :func:`check_not_resharded` first: before FSDP2's forward hooks, whose lazy init
+    would refuse a model with float32 BatchNorm in a half model with an AssertionError of its
+    own. Models that ``initialize(..., fsdp=True)`` sharded pass."""
+    call = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        state = self.__dict__.get("_ampkit")
+        if state is None or not state.sharded:
+            check_not_resharded(self)
+        return call(self, *args, **kwargs)
+
+    cls.__call__ = __call__
 
 
 # -- checkpoints ---------------------------------------------------------------------------
