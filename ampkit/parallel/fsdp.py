@@ -234,7 +234,11 @@ def _dcp():
 
 def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Save model, optimizer and loss scalers with ``torch.distributed.checkpoint``: each rank
-    writes its own shards (collective: call on every rank)."""
+    writes its own shards (collective: call on every rank).
+
+    ``checkpoint_id``: the checkpoint's directory (or anything ``dcp.save`` takes as one);
+    ``model``, ``optimizer``: as ``initialize(..., fsdp=True)`` returned them.
+    """
     from .. import frontend
 
     dcp, sd = _dcp()
@@ -243,8 +247,8 @@ def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load what :func:`save_sharded` wrote into a model and optimizer prepared by the same
-    ``initialize`` call (same level, same world size for a bit-exact resume)."""
+    """Load what :func:`save_sharded` wrote under ``checkpoint_id`` into a model and optimizer
+    prepared by the same ``initialize`` call (same level, same world size for a bit-exact resume)."""
     from .. import frontend
 
     dcp, sd = _dcp()
