@@ -47,8 +47,8 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the built-in models at every opt level and print one table")
     demo.add_argument("--levels", type=_levels, default=None, help="comma-separated, e.g. O0,O5 (default: all)")
     demo.add_argument("--steps", type=_steps, default=None,
-                      help="training steps per model and level at the full batch (default: 10-30, sized to this "
-                           "machine by a quick probe so the demo takes about a minute)")
+                      help="training steps per model and level at the full batch (default: 3-30, sized to this "
+                           "machine by a quick probe so the demo takes under a minute)")
     demo.add_argument("--model", choices=["all", "lm", "cnn"], default="all",
                       help="lm: tiny transformer LM; cnn: small BatchNorm conv net (default: all)")
     demo.add_argument("--device", type=_device, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")

@@ -10,8 +10,15 @@ from ampkit import demo
 caps_module = importlib.import_module("ampkit.hardware")
 
 
-def _times(first, step, levels=("O0", "O2", "O5")):
+def _times(first, step, levels=("O0", "O2", "O5", "O6")):
     return {f"{m} {lvl}": [first, step] for m in demo.MODELS for lvl in levels}
+
+
+def _spent(times, steps, scale):
+    """Seconds of training the plan expects for every model at every level."""
+    k = scale / demo.PROBE_SCALE
+    runs = [times[f"{m} {demo._probe_level(lvl)}"] for m in demo.MODELS for lvl in demo.LEVELS]
+    return sum(demo.RUN_OVERHEAD_S + first * max(k, 1.0) + (steps - 1) * step * k for first, step in runs)
 
 
 def test_plan_uses_full_size_on_a_fast_machine():
@@ -20,9 +27,7 @@ def test_plan_uses_full_size_on_a_fast_machine():
 
 def test_plan_shrinks_steps_then_batch_to_fit_the_budget():
     steps, scale = demo.plan(_times(0.2, 0.02), demo.MODELS, demo.LEVELS)
-    k = scale / demo.PROBE_SCALE
-    spent = 12 * (demo.RUN_OVERHEAD_S + 0.2 * k + (steps - 1) * 0.02 * k)
-    assert demo.MIN_STEPS <= steps <= demo.MAX_STEPS and spent <= demo.BUDGET_S
+    assert demo.MIN_STEPS <= steps <= demo.MAX_STEPS and _spent(_times(0.2, 0.02), steps, scale) <= demo.BUDGET_S
     assert scale < 1.0 or steps < demo.MAX_STEPS
     # a machine ten times slower gets a smaller batch, never fewer than MIN_STEPS while one fits
     slow_steps, slow_scale = demo.plan(_times(0.2, 0.2), demo.MODELS, demo.LEVELS)
@@ -35,7 +40,24 @@ def test_plan_on_a_hopeless_machine_runs_a_few_steps_at_the_smallest_batch():
 
 def test_each_level_is_probed_by_its_compute_dtype():
     assert {lvl: demo._probe_level(lvl) for lvl in demo.LEVELS} == {
-        "O0": "O0", "O1": "O2", "O2": "O2", "O3": "O2", "O4": "O5", "O5": "O5", "O6": "O5", "O7": "O5"}
+        "O0": "O0", "O1": "O2", "O2": "O2", "O3": "O2", "O4": "O5", "O5": "O5", "O6": "O6", "O7": "O5"}
+
+
+def test_a_slow_fp8_probe_gives_fewer_steps():
+    times = _times(0.2, 0.02)
+    steps, scale = demo.plan(times, demo.MODELS, demo.LEVELS)
+    times.update({f"{m} O6": [1.0, 0.1] for m in demo.MODELS})  # fp8 emulated: 5x bf16
+    slow_steps, slow_scale = demo.plan(times, demo.MODELS, demo.LEVELS)
+    assert slow_steps * slow_scale < steps * scale and _spent(times, slow_steps, slow_scale) <= demo.BUDGET_S
+
+
+def test_a_slow_start_and_probe_leave_less_time_for_training():
+    assert demo.run_budget(5.0) == demo.BUDGET_S
+    assert demo.run_budget(demo.DEADLINE_S - 12.0) == 12.0
+    times = _times(0.2, 0.02)
+    steps, scale = demo.plan(times, demo.MODELS, demo.LEVELS, demo.run_budget(5.0))
+    late_steps, late_scale = demo.plan(times, demo.MODELS, demo.LEVELS, demo.run_budget(demo.DEADLINE_S - 12.0))
+    assert late_steps * late_scale < steps * scale and _spent(times, late_steps, late_scale) <= 12.0
 
 
 def _caps(monkeypatch, flags):
