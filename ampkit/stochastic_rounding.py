@@ -6,24 +6,48 @@ probability ``(x - lo) / (hi - lo)`` and to ``lo`` otherwise, so the expected re
 moves it on average. bfloat16 is float32 without its low 16 bits: adding a uniform 16-bit
 integer to those bits and clearing them rounds the magnitude up with exactly that
 probability, for either sign.
+
+The 16-bit draws are the four 16-bit quarters of uniform 64-bit integers from the generator
+(each quarter of a uniform 64-bit integer is uniform, and the four are independent): a quarter
+of the generator calls of one 16-bit draw per call. Each tensor starts at a fresh 64-bit word,
+so on CPU the stream a tensor gets does not depend on which other tensors share the call.
 """
-from typing import Dict, Optional
+from itertools import accumulate
+from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["round_to_bf16_", "StochasticRounder", "manual_seed"]
+__all__ = ["round_to_bf16_", "round_all_to_bf16_", "StochasticRounder", "manual_seed"]
 
-_LOW = 1 << 16  # the float32 bits bfloat16 drops
-_KEEP = -_LOW  # as int32: 0xFFFF0000
+_PER_WORD = 4  # 16-bit draws per 64-bit word
+_HALF = 1 << 15
+_KEEP = -(1 << 16)  # as int32: 0xFFFF0000, the float32 bits bfloat16 keeps
 
 
 def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically."""
-    if src.dtype != torch.float32 or dst.dtype != torch.bfloat16:
-        raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {dst.dtype} and {src.dtype}.")
-    bits = torch.empty(src.shape, dtype=torch.int32, device=src.device).random_(0, _LOW, generator=generator)
-    bits.add_(src.view(torch.int32)).bitwise_and_(_KEEP)
-    return dst.copy_(bits.view(torch.float32))  # exact: the dropped bits are zero
+    round_all_to_bf16_([dst], [src.clone()], generator)
+    return dst
+
+
+def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], generator: Optional[torch.Generator] = None) -> None:
+    """``round_to_bf16_`` for lists of tensors on one device, with one generator call;
+    ``srcs`` are used as scratch (their values are lost)."""
+    for d, s in zip(dsts, srcs):
+        if s.dtype != torch.float32 or d.dtype != torch.bfloat16:
+            raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {d.dtype} and {s.dtype}.")
+    if not srcs:
+        return
+    words = [-(-s.numel() // _PER_WORD) for s in srcs]
+    draws = torch.empty(sum(words), dtype=torch.int64, device=srcs[0].device).random_(-2**63, None, generator=generator)
+    draws = draws.view(torch.int16)  # uniform in [-32768, 32768); with _HALF added, in [0, 65536)
+    bits = [s.view(torch.int32) for s in srcs]
+    torch._foreach_add_(bits, [draws[_PER_WORD * w:_PER_WORD * w + s.numel()].view(s.shape)
+                               for w, s in zip(accumulate([0] + words[:-1]), srcs)])
+    torch._foreach_add_(bits, _HALF)
+    for b in bits:
+        b.bitwise_and_(_KEEP)
+    torch._foreach_copy_(dsts, srcs)  # exact: the dropped bits are zero
 
 
 class StochasticRounder:
@@ -44,8 +68,10 @@ class StochasticRounder:
             gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return gen
 
-    def round_(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        return round_to_bf16_(dst, src, self.generator(src.device))
+    def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        """``round_all_to_bf16_`` with the generator of the tensors' device (``srcs`` are lost)."""
+        if srcs:
+            round_all_to_bf16_(dsts, srcs, self.generator(srcs[0].device))
 
     def manual_seed(self, seed: int) -> None:
         """Restart every generator from ``seed``."""

@@ -2,10 +2,10 @@
 
 At levels with ``update_rounding`` (O7) the optimizer holds the model's half parameters and
 any ``torch.optim`` optimizer steps on them through :class:`TransientUpdate`, chunk by
-chunk: a chunk's half parameters and gradients get float32 copies (views of one flat
-buffer each, filled by fused copies), which the optimizer steps on in their place (its
+chunk: a chunk's half parameters and gradients get float32 copies (views of one buffer,
+filled by one fused copy), which the optimizer steps on in their place (its
 state is keyed by the copies for that call); the results are rounded back into the half
-weights in one flat pass, stochastically (``"stochastic"``) or to nearest. The
+weights with one generator call, stochastically (``"stochastic"``) or to nearest. The
 copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMENTS`
 (a larger single tensor is its own chunk), and nothing fp32 persists but the optimizer
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
@@ -57,18 +57,14 @@ class TransientUpdate:
         self.rounder = rounder
         self.state_dtype = state_dtype
 
-    def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], flat: Optional[torch.Tensor] = None) -> None:
-        """``dsts[i] = srcs[i]`` (float32 into half), rounded in one flat pass; ``flat`` is the
-        float32 buffer ``srcs`` are consecutive views of, when they are."""
+    def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        """``dsts[i] = srcs[i]`` (float32 into half), rounded with one generator call; ``srcs``
+        may be overwritten."""
         if not dsts:
             return
-        if self.rounding != "stochastic" or any(d.dtype != torch.bfloat16 for d in dsts):
-            torch._foreach_copy_(dsts, srcs)
-            return
-        if flat is None:
-            flat = torch.cat([s.reshape(-1) for s in srcs])
-        out = self.rounder.round_(torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device), flat)
-        torch._foreach_copy_(dsts, _views(out, dsts))
+        if self.rounding == "stochastic" and all(d.dtype == torch.bfloat16 for d in dsts):
+            return self.rounder.round_(dsts, srcs)
+        torch._foreach_copy_(dsts, srcs)
 
     def __call__(self):
         opt = self.optimizer
@@ -86,17 +82,22 @@ class TransientUpdate:
         return result
 
     def _step_chunk(self, chunk, grads):
-        """One optimizer call on fp32 copies of the chunk's half parameters (views of one
-        flat buffer, filled by one fused copy); then the weights, and the state when it is
-        stored in half, are rounded back in one flat pass each."""
+        """One optimizer call on fp32 copies of the chunk's half parameters, gradients and
+        half state (views of one buffer, so one allocation and one fused copy); then the
+        weights, and the state when it is stored in half, are rounded back (one generator
+        call each)."""
         opt, swapped = self.optimizer, []
         half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
-        flat = torch.empty(sum(p.numel() for p in half), dtype=torch.float32, device=half[0].device) if half else None
-        copies, grad_copies = _views(flat, half), _views(torch.empty_like(flat), half) if half else []
+        stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
+                  if _elementwise(k, v, p) and v.dtype != torch.float32]
+        srcs = half + [grads[p] for p in half] + [v for _, _, v in stored]
+        wide = _views(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs) if srcs else []
         with torch.no_grad():
-            if half:
-                torch._foreach_copy_(copies, half)
-                torch._foreach_copy_(grad_copies, [grads[p] for p in half])
+            if srcs:
+                torch._foreach_copy_(wide, srcs)
+        copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
+        for (st, k, _), w in zip(stored, wide[2 * len(half):]):
+            st[k] = w
         copy_of = dict(zip(half, zip(copies, grad_copies)))
         try:
             for group, i, p in chunk:
@@ -109,11 +110,11 @@ class TransientUpdate:
                 if state is not None:
                     opt.state[f] = state
                 swapped.append((group, i, p, f))
-            stored = self._widen([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state])
             result = self.step()
             with torch.no_grad():
-                self.round_into(half, copies, flat)
-                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into, stored)
+                self.round_into(half, copies)
+                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into,
+                             {(id(st), k): v for st, k, v in stored})
             return result
         finally:
             for group, i, p, f in swapped:
@@ -123,20 +124,6 @@ class TransientUpdate:
                     opt.state[p] = state
             for group, i, p in chunk:
                 p.grad = None
-
-    def _widen(self, states) -> dict:
-        """Half elementwise state to float32 (one fused copy); returns the half tensors by
-        (state, key), to be written back into after the step."""
-        found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != torch.float32]
-        if not found:
-            return {}
-        wide = _views(torch.empty(sum(v.numel() for _, _, v in found), dtype=torch.float32, device=found[0][2].device),
-                      [v for _, _, v in found])
-        with torch.no_grad():
-            torch._foreach_copy_(wide, [v for _, _, v in found])
-        for (st, k, _), w in zip(found, wide):
-            st[k] = w
-        return {(id(st), k): v for st, k, v in found}
 
     def _narrow(self, states, round_into, stored=None) -> None:
         """Elementwise float32 state to ``state_dtype`` (when that is a half dtype), into the
@@ -183,7 +170,7 @@ def _load_state_dict(optimizer, state_dict: dict) -> None:
     update.load_state_dict(update.load, state_dict)
 
 
-def _copy_into(dsts, srcs, flat=None) -> None:
+def _copy_into(dsts, srcs) -> None:
     torch._foreach_copy_(dsts, srcs)
 
 

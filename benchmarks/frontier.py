@@ -2,11 +2,12 @@
 
     python benchmarks/frontier.py [--quick] [--json PATH] [--steps N] [--fp8-steps N]
 
-1. compensated bf16: the demo LM (reduced size, see ``LM``) trained with AdamW for ``--steps``
-   steps at two learning rates, at O5, O7 (fp32 optimizer state), O7 with bf16 optimizer
+1. compensated bf16: the demo LM (``ampkit.demo.DEMO_LM``; ``--d-model`` for another width)
+   trained with AdamW for ``--steps`` steps at two learning rates, at O5, O7 (fp32 optimizer state), O7 with bf16 optimizer
    state, and two round-to-nearest controls: O7 with ``update_rounding="nearest"`` (the same
    fp32 update, rounded to nearest) and plain bf16 (O3 with bfloat16: the optimizer steps on
-   bf16 weights and keeps bf16 state). Loss: mean of the last 20 steps. Memory: persistent
+   bf16 weights and keeps bf16 state). Loss: mean of the last 20 steps; O7 also with rounding
+   seeds 1..``--seeds``-1 (same weights and batches: the spread is the rounding noise alone). Memory: persistent
    bytes per parameter, measured by ``ampkit.footprint`` from the storages of the weights,
    master weights, optimizer state and ampkit's kept gradient buffers after the last
    ``zero_grad()`` (gradients and activations are per-step and not counted; Adam's float32
@@ -31,12 +32,12 @@ from statistics import median
 import torch
 
 import ampkit
-from ampkit.demo import isolated, machine
+from ampkit.demo import DEMO_LM, isolated, machine
 from ampkit.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
 from ampkit.footprint import persistent_bytes
 from run import table  # benchmarks/run.py: the same table layout
 
-LM = LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=16)  # the demo LM at d_model 64 (demo: 256)
+LM = DEMO_LM
 QUICK_LM = LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4)
 LRS = (5e-4, 1e-4)
 VARIANTS = {  # name: (level, overrides)
@@ -201,8 +202,8 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--fp8-steps", type=int, default=60)
-    p.add_argument("--d-model", type=int, default=LM.d_model, help=f"LM width (default {LM.d_model}; the demo's is 256)")
-    p.add_argument("--seeds", type=int, default=3, help="O7 runs with rounding seeds 0..N-1 (the spread is the noise)")
+    p.add_argument("--d-model", type=int, default=LM.d_model, help=f"LM width (default {LM.d_model}, the demo's)")
+    p.add_argument("--seeds", type=int, default=5, help="O7 runs with rounding seeds 0..N-1 (the spread is the noise)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
     spec, steps, fp8_steps = (QUICK_LM, 25, 10) if args.quick else (dataclasses.replace(LM, d_model=args.d_model), args.steps, args.fp8_steps)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ampkit.stochastic_rounding import StochasticRounder, round_to_bf16_
+from ampkit.stochastic_rounding import StochasticRounder, round_all_to_bf16_, round_to_bf16_
 
 N = 2**16  # roundings per value
 
@@ -37,6 +37,48 @@ def test_unbiased_and_only_the_two_neighbours(x):
     assert abs(up - p) <= 5 * math.sqrt(p * (1 - p) / N) + 1e-12
 
 
+def test_each_quarter_of_a_64_bit_draw_is_unbiased_with_an_odd_count():
+    """The draws are the four 16-bit quarters of 64-bit integers: each quarter position
+    alone rounds up with the right probability, also in a tensor of odd size."""
+    x, n = 1.0 + 3 * 2**-10, N + 3  # p = 0.375
+    lo, hi = neighbours(x)
+    up = (rounded(x, n=n).double() == hi).double()
+    p = (x - lo) / (hi - lo)
+    for quarter in range(4):
+        picked = up[quarter::4]
+        assert abs(picked.mean().item() - p) <= 5 * math.sqrt(p * (1 - p) / picked.numel())
+
+
+def test_neighbouring_elements_round_independently():
+    """Within a 64-bit word and across words, the round-up decisions of elements 1 to 4
+    apart are uncorrelated (|correlation| within 5 standard errors of 0)."""
+    x = 1.0 + 2**-8  # half a bfloat16 gap above 1.0: p = 0.5
+    up = (rounded(x).double() == neighbours(x)[1]).double()
+    for lag in range(1, 5):
+        for start in range(4):  # element pairs (4k + start, 4k + start + lag): every pair of quarters
+            a, b = up[start:N - lag:4], up[start + lag::4][:up[start:N - lag:4].numel()]
+            corr = ((a - a.mean()) * (b - b.mean())).mean() / (a.std(unbiased=False) * b.std(unbiased=False))
+            assert abs(corr.item()) <= 5 / math.sqrt(a.numel()), (lag, start)
+
+
+def test_a_list_rounds_as_its_tensors_one_by_one_and_keeps_the_sources_of_round_to_bf16():
+    """One call for a list (odd sizes, a 0-dim tensor) gives what one call per tensor gives:
+    every tensor starts at a fresh 64-bit word of the stream."""
+    g = torch.Generator().manual_seed(4)
+    srcs = [torch.randn(shape, generator=g) for shape in [(3,), (), (2, 5), (4,), (7, 1)]]
+    kept = [s.clone() for s in srcs]
+    together = [torch.empty(s.shape, dtype=torch.bfloat16) for s in srcs]
+    round_all_to_bf16_(together, [s.clone() for s in srcs], torch.Generator().manual_seed(9))
+    one_by_one, gen = [], torch.Generator().manual_seed(9)
+    for s in srcs:
+        one_by_one.append(round_to_bf16_(torch.empty(s.shape, dtype=torch.bfloat16), s, gen))
+    assert all(torch.equal(a, b) for a, b in zip(together, one_by_one))
+    for s, r in zip(srcs, together):
+        lo = (s.view(torch.int32) & -65536).view(torch.float32)
+        assert bool(((r.float() == lo) | (r.float() == (lo.view(torch.int32) + 65536).view(torch.float32))).all())
+    assert all(torch.equal(s, k) for s, k in zip(srcs, kept))  # round_to_bf16_ leaves its source alone
+
+
 def test_a_nearest_rounding_loses_what_stochastic_rounding_keeps():
     x = 1.0 + 2**-10  # a small update to a weight of 1.0: below half a bfloat16 ulp (2**-8)
     assert torch.tensor(x).to(torch.bfloat16).item() == 1.0
@@ -61,13 +103,19 @@ def test_deterministic_under_a_seed():
 
 def test_rounder_state_dict_resumes_the_stream():
     x = torch.randn(1000)
+
+    def draw(rounder):
+        out = torch.empty(1000, dtype=torch.bfloat16)
+        rounder.round_([out], [x])
+        return out
+
     r = StochasticRounder(seed=3)
-    r.round_(torch.empty(1000, dtype=torch.bfloat16), x)
+    draw(r)
     saved = r.state_dict()
-    first = r.round_(torch.empty(1000, dtype=torch.bfloat16), x).clone()
+    first = draw(r)
     other = StochasticRounder(seed=99)
     other.load_state_dict(saved)
-    assert other.seed == 3 and torch.equal(other.round_(torch.empty(1000, dtype=torch.bfloat16), x), first)
+    assert other.seed == 3 and torch.equal(draw(other), first)
 
 
 @pytest.mark.parametrize("state, match", [

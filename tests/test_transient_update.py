@@ -67,7 +67,7 @@ def reference(opt_name, data, rounding):
                 s.grad = p.grad.float()
             opt.step()
             for p, s in zip(params, shadows):
-                rounder.round_(p, s) if rounding == "stochastic" else p.copy_(s)
+                rounder.round_([p], [s]) if rounding == "stochastic" else p.copy_(s)
     return model, opt, shadows
 
 
