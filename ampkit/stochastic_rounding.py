@@ -25,7 +25,8 @@ _KEEP = -(1 << 16)  # as int32: 0xFFFF0000, the float32 bits bfloat16 keeps
 
 
 def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically."""
+    """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically with
+    random bits from ``generator`` (the device's default generator when ``None``)."""
     round_all_to_bf16_([dst], [src.clone()], generator)
     return dst
 
