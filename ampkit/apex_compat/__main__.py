@@ -53,7 +53,17 @@ def main(argv) -> int:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(argv[0], run_name="__main__")
+    _destroy_process_group()
     return 0
+
+
+def _destroy_process_group() -> None:
+    """Destroy the default process group a finished script left initialized (Apex's examples
+    never destroyed theirs), as torch asks every program to, so that it is not torn down only
+    at interpreter exit."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -136,6 +136,22 @@ def test_runner_usage_and_missing_parts(tmp_path):
     assert proc.returncode == 2 and "no such script" in proc.stderr
 
 
+def test_runner_destroys_the_process_group_a_script_left(tmp_path):
+    """An Apex-era script that never destroys its process group (Apex's examples did not): the
+    runner destroys it once the script has finished, before the interpreter exits."""
+    source = (
+        "import atexit, torch, torch.distributed as dist\n"
+        "from apex.parallel import DistributedDataParallel as DDP\n"
+        f"dist.init_process_group('gloo', init_method={(tmp_path / 'store').as_uri()!r}, rank=0, world_size=1)\n"
+        "model = DDP(torch.nn.Linear(4, 2))\n"
+        "model(torch.randn(3, 4)).sum().backward()\n"
+        "atexit.register(lambda: print('at exit: group initialized', dist.is_initialized()))\n"
+        "print('end of script: group initialized', dist.is_initialized())\n"
+    )
+    out = runner(tmp_path, source).stdout.splitlines()
+    assert out == ["end of script: group initialized True", "at exit: group initialized False"]
+
+
 def test_imagenet_style_ddp_two_ranks_torchrun(tmp_path, monkeypatch):
     """``torchrun ... -m ampkit.apex_compat train.py``: each worker gets the stand-in; apex DDP with
     SyncBatchNorm on 2 ranks (half the batch each) matches one process on the whole batch."""
