@@ -4,9 +4,12 @@ run an unmodified Apex-era script with ampkit standing in for ``apex``.
 Under torchrun, put the runner in front of the script so every worker gets it:
 ``torchrun --nproc-per-node 2 -m ampkit.apex_compat train.py ARGS...``.
 """
+import atexit
+import gc
 import os
 import runpy
 import sys
+import types
 
 from . import ENV, ApexInstalledError, install
 
@@ -50,17 +53,38 @@ def main(argv) -> int:
         return 2
     sys.argv = list(argv)
     if module is not None:
+        atexit.register(_release, {})  # registered before the script's handlers, so it runs after them
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
-        runpy.run_path(argv[0], run_name="__main__")
-    _destroy_process_group()
+        module = types.ModuleType("__main__")
+        atexit.register(_release, module.__dict__)
+        run_script(argv[0], module)
     return 0
 
 
-def _destroy_process_group() -> None:
-    """Destroy the default process group a finished script left initialized (Apex's examples
-    never destroyed theirs), as torch asks every program to, so that it is not torn down only
-    at interpreter exit."""
+def run_script(path: str, module: types.ModuleType) -> None:
+    """Run the script at ``path`` in ``module`` as ``__main__``, as ``runpy.run_path`` does for a
+    file, but in a module the runner keeps (runpy hands back a copy of its namespace)."""
+    module.__file__ = path
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
+def _release(namespace: dict) -> None:
+    """At exit, after the script's own atexit handlers: drop the script's objects and destroy
+    the process group it left initialized (Apex's examples never destroyed theirs), while the
+    interpreter is whole. A group that is only torn down in interpreter finalization, with
+    gloo's threads still holding tensors that Python owns, can abort the process
+    ("terminate called without an active exception"; pytorch/pytorch#190489); a DDP model in
+    the script's globals keeps it alive past ``destroy_process_group`` alone."""
+    namespace.clear()
+    gc.collect()
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
