@@ -23,7 +23,6 @@ valid for the targets.
 import argparse
 import datetime
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from ampkit.demo import MemoryMeter, machine
 from ampkit.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import table  # noqa: E402  (benchmarks/run.py: the same table format)
+from run import finish, table  # noqa: E402  (benchmarks/run.py: the same table and report footer)
 
 FULL = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=32, batch=2), memory_steps=3,
             speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=4, seq_len=64, batch=4),
@@ -316,15 +315,7 @@ def main(argv=None):
     if set(only) - set(benches):
         p.error(f"--only: choose from {','.join(benches)}")
     results = {name: bench(cfg, args.device, args.threads) for name, bench in benches.items() if name in only}
-    print(report(results, args.quick))
-    print(f"\nload average (1 min): {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
-          f"on {info['cores']} cores; more than the core count means other work shared the CPUs.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick,
-                       "seconds": time.perf_counter() - started, "results": results,
-                       "targets": check_targets(results)}, f, indent=2)
-        print(f"\nwrote {args.json}")
+    finish(report(results, args.quick), info, args, started, results, check_targets(results))
 
 
 if __name__ == "__main__":

@@ -684,6 +684,19 @@ def check_targets(results):
     return t
 
 
+def finish(text: str, info: dict, args, started: float, results: dict, targets) -> None:
+    """Print a benchmark's report and the load average around it; write the JSON if ``--json``."""
+    print(text)
+    print(f"\nload average (1 min): {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
+          f"on {info['cores']} cores; more than the core count means other work shared the CPUs.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick,
+                       "seconds": time.perf_counter() - started,
+                       "results": results, "targets": targets}, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="ampkit benchmarks (see BENCHMARKS.md)")
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run, not valid for the targets")
@@ -717,15 +730,7 @@ def main(argv=None):
             t = time.perf_counter()
             results[family] = benches[family]()
             print(f"  {family}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    print(report(results, args.quick))
-    print(f"\nload average (1 min): {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
-          f"on {info['cores']} cores; more than the core count means other work shared the CPUs.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick,
-                       "seconds": time.perf_counter() - started,
-                       "results": results, "targets": check_targets(results)}, f, indent=2)
-        print(f"\nwrote {args.json}")
+    finish(report(results, args.quick), info, args, started, results, check_targets(results))
 
 
 if __name__ == "__main__":
