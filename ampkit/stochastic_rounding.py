@@ -7,12 +7,17 @@ moves it on average. bfloat16 is float32 without its low 16 bits: adding a unifo
 integer to those bits and clearing them rounds the magnitude up with exactly that
 probability, for either sign.
 
-The 16-bit draws are the four 16-bit quarters of uniform 64-bit integers from the generator
-(each quarter of a uniform 64-bit integer is uniform, and the four are independent): a quarter
-of the generator calls of one 16-bit draw per call. Each tensor starts at a fresh 64-bit word,
-so on CPU the stream a tensor gets does not depend on which other tensors share the call.
+The generator is the costly part (on CPU a serial kernel), so each element costs it 8 bits,
+not 16: the tensors are rounded as one flat run of ``n`` elements, and element ``i`` of its
+first half takes a uniform 16-bit draw ``d`` while element ``i`` of its second half (``h =
+ceil(n / 2)`` later) takes ``257 d`` modulo 2**16 (``d`` plus ``d`` shifted up a byte). Both
+are uniform over all 16-bit values (257 is odd), so the rounding stays exactly unbiased; and
+their high bytes are independent (the partner's is the sum of ``d``'s two bytes), so the two
+decisions are too, but when a high byte ties with the dropped bits' (1 time in 256) and the
+low byte decides. The draws are the 16-bit quarters of
+uniform 64-bit integers (each quarter of a uniform 64-bit integer is uniform, the four
+independent).
 """
-from itertools import accumulate
 from typing import Dict, List, Optional
 
 import torch
@@ -32,23 +37,37 @@ def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[tor
 
 
 def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], generator: Optional[torch.Generator] = None) -> None:
-    """``round_to_bf16_`` for lists of tensors on one device, with one generator call;
-    ``srcs`` are used as scratch (their values are lost)."""
+    """``round_to_bf16_`` for lists of tensors on one device, with one generator call, as one
+    flat run of their elements (the same result as rounding their concatenation); ``srcs``
+    are used as scratch (their values may be lost)."""
     for d, s in zip(dsts, srcs):
         if s.dtype != torch.float32 or d.dtype != torch.bfloat16:
             raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {d.dtype} and {s.dtype}.")
-    if not srcs:
+    flat = _flat(srcs)
+    n = flat.numel() if flat is not None else 0
+    if n == 0:
         return
-    words = [-(-s.numel() // _PER_WORD) for s in srcs]
-    draws = torch.empty(sum(words), dtype=torch.int64, device=srcs[0].device).random_(-2**63, None, generator=generator)
-    draws = draws.view(torch.int16)  # uniform in [-32768, 32768); with _HALF added, in [0, 65536)
-    bits = [s.view(torch.int32) for s in srcs]
-    torch._foreach_add_(bits, [draws[_PER_WORD * w:_PER_WORD * w + s.numel()].view(s.shape)
-                               for w, s in zip(accumulate([0] + words[:-1]), srcs)])
-    torch._foreach_add_(bits, _HALF)
-    for b in bits:
-        b.bitwise_and_(_KEEP)
-    torch._foreach_copy_(dsts, srcs)  # exact: the dropped bits are zero
+    h = (n + 1) // 2
+    words = torch.empty(-(-h // _PER_WORD), dtype=torch.int64, device=flat.device).random_(-2**63, None, generator=generator)
+    draws = words.view(torch.int16)[:h]  # signed: with _HALF added below, uniform in [0, 65536)
+    bits = flat.view(torch.int32)
+    bits[:h].add_(draws)
+    bits[h:].add_(torch.mul(draws[:n - h], 257))  # the partners' draws: 257 d, wrapping in 16 bits
+    bits.add_(_HALF).bitwise_and_(_KEEP)
+    torch._foreach_copy_(dsts, [v.view(d.shape) for d, v in zip(dsts, flat.split([d.numel() for d in dsts]))])  # exact
+
+
+def _flat(srcs: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``srcs`` as one flat tensor: a view when they lie back to back in one storage (as
+    O7's transient copies do), else a concatenated copy; ``None`` for no tensors."""
+    if not srcs:
+        return None
+    first, at = srcs[0], srcs[0].data_ptr()
+    for s in srcs:
+        if not s.is_contiguous() or s.data_ptr() != at or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat([s.reshape(-1) for s in srcs])
+        at += s.numel() * s.element_size()
+    return first.as_strided((sum(s.numel() for s in srcs),), (1,))
 
 
 class StochasticRounder:

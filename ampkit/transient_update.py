@@ -176,11 +176,7 @@ def _copy_into(dsts, srcs) -> None:
 
 def _views(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
     """Consecutive views of ``flat`` shaped like the tensors in ``like``."""
-    out, at = [], 0
-    for t in like:
-        out.append(flat[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return out
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _elementwise(key, value, p: torch.Tensor) -> bool:

@@ -38,42 +38,57 @@ def test_unbiased_and_only_the_two_neighbours(x):
 
 
 def test_each_quarter_of_a_64_bit_draw_is_unbiased_with_an_odd_count():
-    """The draws are the four 16-bit quarters of 64-bit integers: each quarter position
-    alone rounds up with the right probability, also in a tensor of odd size."""
-    x, n = 1.0 + 3 * 2**-10, N + 3  # p = 0.375
+    """The draws are the four 16-bit quarters of 64-bit integers, each serving an element of
+    the first half as drawn and its partner in the second half byte-swapped: every quarter
+    position of either half alone rounds up with the right probability, also in a tensor
+    of odd size."""
+    x, n = 1.0 + 3 * 2**-10 + 2**-14, N + 3  # p = 0.390625: the low byte of the noise decides 1 in 256
     lo, hi = neighbours(x)
     up = (rounded(x, n=n).double() == hi).double()
     p = (x - lo) / (hi - lo)
-    for quarter in range(4):
-        picked = up[quarter::4]
-        assert abs(picked.mean().item() - p) <= 5 * math.sqrt(p * (1 - p) / picked.numel())
+    h = (n + 1) // 2
+    for half in (up[:h], up[h:]):
+        for quarter in range(4):
+            picked = half[quarter::4]
+            assert abs(picked.mean().item() - p) <= 5 * math.sqrt(p * (1 - p) / picked.numel())
 
 
-def test_neighbouring_elements_round_independently():
+def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (((a - a.mean()) * (b - b.mean())).mean() / (a.std(unbiased=False) * b.std(unbiased=False))).item()
+
+
+@pytest.mark.parametrize("x", [1.0 + 2**-8, 1.0 + 3 * 2**-10 + 2**-14])  # p = 0.5; p = 0.390625, low byte nonzero
+def test_neighbouring_elements_and_partners_round_independently(x):
     """Within a 64-bit word and across words, the round-up decisions of elements 1 to 4
-    apart are uncorrelated (|correlation| within 5 standard errors of 0)."""
-    x = 1.0 + 2**-8  # half a bfloat16 gap above 1.0: p = 0.5
+    apart are uncorrelated, and so are those of the two partners that share a draw (|correlation| within 5
+    standard errors of 0)."""
     up = (rounded(x).double() == neighbours(x)[1]).double()
     for lag in range(1, 5):
         for start in range(4):  # element pairs (4k + start, 4k + start + lag): every pair of quarters
             a, b = up[start:N - lag:4], up[start + lag::4][:up[start:N - lag:4].numel()]
-            corr = ((a - a.mean()) * (b - b.mean())).mean() / (a.std(unbiased=False) * b.std(unbiased=False))
-            assert abs(corr.item()) <= 5 / math.sqrt(a.numel()), (lag, start)
+            assert abs(correlation(a, b)) <= 5 / math.sqrt(a.numel()), (lag, start)
+    h = N // 2
+    assert abs(correlation(up[:h], up[h:])) <= 5 / math.sqrt(h)
 
 
-def test_a_list_rounds_as_its_tensors_one_by_one_and_keeps_the_sources_of_round_to_bf16():
-    """One call for a list (odd sizes, a 0-dim tensor) gives what one call per tensor gives:
-    every tensor starts at a fresh 64-bit word of the stream."""
+def test_a_list_rounds_as_its_concatenation_and_keeps_the_sources_of_round_to_bf16():
+    """One call for a list (odd sizes, a 0-dim tensor) gives what one call on the
+    concatenation gives, whether the tensors share one buffer back to back or not."""
     g = torch.Generator().manual_seed(4)
-    srcs = [torch.randn(shape, generator=g) for shape in [(3,), (), (2, 5), (4,), (7, 1)]]
+    shapes = [(3,), (), (2, 5), (4,), (7, 1)]
+    srcs = [torch.randn(shape, generator=g) for shape in shapes]
     kept = [s.clone() for s in srcs]
-    together = [torch.empty(s.shape, dtype=torch.bfloat16) for s in srcs]
-    round_all_to_bf16_(together, [s.clone() for s in srcs], torch.Generator().manual_seed(9))
-    one_by_one, gen = [], torch.Generator().manual_seed(9)
-    for s in srcs:
-        one_by_one.append(round_to_bf16_(torch.empty(s.shape, dtype=torch.bfloat16), s, gen))
-    assert all(torch.equal(a, b) for a, b in zip(together, one_by_one))
-    for s, r in zip(srcs, together):
+    separate = [torch.empty(s.shape, dtype=torch.bfloat16) for s in srcs]
+    round_all_to_bf16_(separate, [s.clone() for s in srcs], torch.Generator().manual_seed(9))
+    buffer = torch.cat([s.reshape(-1) for s in srcs])
+    views = [v.view(s.shape) for v, s in zip(buffer.split([s.numel() for s in srcs]), srcs)]
+    shared = [torch.empty(s.shape, dtype=torch.bfloat16) for s in srcs]
+    round_all_to_bf16_(shared, views, torch.Generator().manual_seed(9))
+    whole = round_to_bf16_(torch.empty(buffer.numel(), dtype=torch.bfloat16), torch.cat([s.reshape(-1) for s in srcs]),
+                           torch.Generator().manual_seed(9))
+    assert all(torch.equal(a, b) for a, b in zip(separate, shared))
+    assert torch.equal(torch.cat([t.reshape(-1) for t in separate]), whole)
+    for s, r in zip(srcs, separate):
         lo = (s.view(torch.int32) & -65536).view(torch.float32)
         assert bool(((r.float() == lo) | (r.float() == (lo.view(torch.int32) + 65536).view(torch.float32))).all())
     assert all(torch.equal(s, k) for s, k in zip(srcs, kept))  # round_to_bf16_ leaves its source alone
