@@ -21,6 +21,7 @@ independent).
 from typing import Dict, List, Optional
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["round_to_bf16_", "round_all_to_bf16_", "StochasticRounder", "manual_seed"]
 
@@ -43,8 +44,10 @@ def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], gener
     for d, s in zip(dsts, srcs):
         if s.dtype != torch.float32 or d.dtype != torch.bfloat16:
             raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {d.dtype} and {s.dtype}.")
+    if not srcs:
+        return
     flat = _flat(srcs)
-    n = flat.numel() if flat is not None else 0
+    n = flat.numel()
     if n == 0:
         return
     h = (n + 1) // 2
@@ -54,18 +57,16 @@ def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], gener
     bits[:h].add_(draws)
     bits[h:].add_(torch.mul(draws[:n - h], 257))  # the partners' draws: 257 d, wrapping in 16 bits
     bits.add_(_HALF).bitwise_and_(_KEEP)
-    torch._foreach_copy_(dsts, [v.view(d.shape) for d, v in zip(dsts, flat.split([d.numel() for d in dsts]))])  # exact
+    torch._foreach_copy_(dsts, _unflatten_dense_tensors(flat, dsts))  # exact: the dropped bits are zero
 
 
-def _flat(srcs: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``srcs`` as one flat tensor: a view when they lie back to back in one storage (as
-    O7's transient copies do), else a concatenated copy; ``None`` for no tensors."""
-    if not srcs:
-        return None
+def _flat(srcs: List[torch.Tensor]) -> torch.Tensor:
+    """``srcs`` (at least one) as one flat tensor: a view when they lie back to back in one
+    storage (as O7's transient copies do), else a concatenated copy."""
     first, at = srcs[0], srcs[0].data_ptr()
     for s in srcs:
         if not s.is_contiguous() or s.data_ptr() != at or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return torch.cat([s.reshape(-1) for s in srcs])
+            return _flatten_dense_tensors(srcs)
         at += s.numel() * s.element_size()
     return first.as_strided((sum(s.numel() for s in srcs),), (1,))
 

@@ -20,6 +20,7 @@ import types
 from typing import Callable, List, Optional
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from .opt_levels import HALF_DTYPES
 from .stochastic_rounding import StochasticRounder
@@ -91,9 +92,10 @@ class TransientUpdate:
         stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
                   if _elementwise(k, v, p) and v.dtype != torch.float32]
         srcs = half + [grads[p] for p in half] + [v for _, _, v in stored]
-        wide = _views(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs) if srcs else []
-        with torch.no_grad():
-            if srcs:
+        wide = []
+        if srcs:
+            wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
+            with torch.no_grad():
                 torch._foreach_copy_(wide, srcs)
         copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
         for (st, k, _), w in zip(stored, wide[2 * len(half):]):
@@ -172,11 +174,6 @@ def _load_state_dict(optimizer, state_dict: dict) -> None:
 
 def _copy_into(dsts, srcs) -> None:
     torch._foreach_copy_(dsts, srcs)
-
-
-def _views(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Consecutive views of ``flat`` shaped like the tensors in ``like``."""
-    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _elementwise(key, value, p: torch.Tensor) -> bool:
