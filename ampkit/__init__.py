@@ -1,4 +1,4 @@
-"""ampkit: Apex-style mixed-precision training (opt levels O0-O5) on modern PyTorch.
+"""ampkit: Apex-style mixed-precision training (opt levels O0-O7) on modern PyTorch.
 
 Names are imported on first use, so ``ampkit --version`` and ``ampkit --help`` start
 without importing torch.
@@ -7,23 +7,24 @@ import importlib
 
 __version__ = "0.2.0"
 
-# public name -> the submodule that defines it ("" for a subpackage/submodule itself)
+# public name -> the module that defines it ("" for a public submodule or subpackage itself)
 _EXPORTS = {
-    "initialize": "frontend", "scale_loss": "frontend", "master_params": "frontend",
-    "state_dict": "frontend", "load_state_dict": "frontend",
-    "autocast": "autocasting", "disable_casts": "autocasting",
-    "half_function": "autocasting", "float_function": "autocasting", "promote_function": "autocasting",
-    "register_half_function": "autocasting", "register_float_function": "autocasting",
-    "register_promote_function": "autocasting",
-    "enable_console_logging": "logs",
-    "NoEffectWarning": "errors",
-    "OPT_LEVELS": "opt_levels", "Properties": "opt_levels",
-    "LossScaler": "scaler",
-    "capabilities": "hardware", "Capabilities": "hardware",
-    "loss_scalers": "health", "step_was_skipped": "health",
+    "initialize": "pipeline.initialize",
+    "scale_loss": "api.training", "master_params": "api.training",
+    "state_dict": "api.state", "load_state_dict": "api.state",
+    "loss_scalers": "api.state", "step_was_skipped": "api.state",
+    "autocast": "install.autocasting", "disable_casts": "install.autocasting",
+    "half_function": "install.autocasting", "float_function": "install.autocasting",
+    "promote_function": "install.autocasting", "register_half_function": "install.autocasting",
+    "register_float_function": "install.autocasting", "register_promote_function": "install.autocasting",
+    "enable_console_logging": "core.logs",
+    "NoEffectWarning": "core.errors",
+    "OPT_LEVELS": "core.levels", "Properties": "core.levels",
+    "LossScaler": "core.scaler",
+    "capabilities": "install.hardware", "Capabilities": "install.hardware",
     "checkpoint": "", "normalization": "", "parallel": "", "surgery": "", "fp16_utils": "",
     "float8": "", "footprint": "", "stochastic_rounding": "",
-    "_amp_state": "apex_state",  # Apex's amp._amp_state, read-only
+    "_amp_state": "api.apex_state",  # Apex's amp._amp_state, read-only
 }
 
 __all__ = ["__version__", *(name for name in _EXPORTS if not name.startswith("_"))]
@@ -33,7 +34,7 @@ def __getattr__(name):
     if name not in _EXPORTS:
         if name.startswith("__"):
             raise AttributeError(f"module 'ampkit' has no attribute {name!r}")
-        from .apex_state import removed_attribute  # Apex names (amp.init, ...) get a migration hint
+        from .api.apex_state import removed_attribute  # Apex names (amp.init, ...) get a migration hint
 
         raise removed_attribute("ampkit", name)
     module = _EXPORTS[name]

@@ -1,5 +1,6 @@
-"""Warning classes ampkit emits."""
+"""``ampkit.errors`` is ``ampkit.core.errors`` (warning filters name ``ampkit.errors.NoEffectWarning``)."""
+import sys
 
+from .core import errors
 
-class NoEffectWarning(UserWarning):
-    """An ampkit option or transform was requested but changes nothing here."""
+sys.modules[__name__] = errors

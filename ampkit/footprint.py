@@ -1,53 +1,6 @@
-"""Persistent training memory, measured: the bytes of the tensors that live across steps.
+"""``ampkit.footprint`` is ``ampkit.api.footprint`` (``import ampkit.footprint`` is public API)."""
+import sys
 
-Counted, each storage once (shared or tied tensors are not double-counted): the models'
-parameters and buffers, the tensors the optimizers step on (fp32 master weights), every
-tensor in the optimizers' state, and the fp32 gradient buffers ampkit keeps across steps
-for large master sets. Not counted: gradients (call after ``zero_grad()``, which frees
-them) and activations, which are per-step.
-"""
-from typing import Dict, Iterable, List
+from .api import footprint
 
-import torch
-from torch import nn
-
-
-def _storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
-    out = {}
-    for t in tensors:
-        if torch.is_tensor(t) and t.device.type != "meta":
-            s = t.untyped_storage()
-            out[s.data_ptr()] = max(out.get(s.data_ptr(), 0), s.nbytes())
-    return out
-
-
-def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> Dict[str, int]:
-    """Bytes by kind (``weights``, ``buffers``, ``masters``, ``optimizer_state``,
-    ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
-    ``optimizer_scalars`` is the part of ``optimizer_state`` in one-element tensors."""
-    weights = [p for m in models for p in m.parameters()]
-    seen = _storages(weights)
-    kinds = {"weights": sum(seen.values())}
-
-    def new(tensors):
-        found = {k: v for k, v in _storages(tensors).items() if k not in seen}
-        seen.update(found)
-        return sum(found.values())
-
-    kinds["buffers"] = new(b for m in models for b in m.buffers())
-    kinds["masters"] = new(p for o in optimizers for g in o.param_groups for p in g["params"])
-    kinds["optimizer_state"] = new(v for o in optimizers for st in o.state.values() for v in st.values())
-    kinds["grad_buffers"] = new(b for o in optimizers for b in getattr(getattr(o, "_ampkit", None), "_grad_buffers", {}).values())
-    kinds["total"] = sum(kinds.values())
-    kinds["params"] = sum(p.numel() for p in {id(p): p for p in weights}.values())
-    kinds["optimizer_scalars"] = sum(  # part of optimizer_state: one-element entries (Adam's step)
-        v.untyped_storage().nbytes() for o in optimizers for st in o.state.values() for v in st.values()
-        if torch.is_tensor(v) and v.numel() == 1)
-    return kinds
-
-
-def bytes_per_param(models: List[nn.Module], optimizers: List[torch.optim.Optimizer], buffers: bool = False) -> float:
-    """Persistent bytes of weights, masters, optimizer state (and ampkit's gradient buffers)
-    per model parameter; model buffers only when ``buffers`` is True."""
-    b = persistent_bytes(models, optimizers)
-    return (b["total"] - (0 if buffers else b["buffers"])) / b["params"]
+sys.modules[__name__] = footprint

@@ -1,142 +1,22 @@
-"""Stochastic rounding of float32 to bfloat16, from seeded generators whose state checkpoints.
+"""Stochastic rounding of float32 to bfloat16 (O7), and reseeding the current run's generators.
 
-A float32 value ``x`` between the bfloat16 neighbours ``lo < x < hi`` rounds to ``hi`` with
-probability ``(x - lo) / (hi - lo)`` and to ``lo`` otherwise, so the expected result is
-``x`` exactly. An update too small to move a bfloat16 weight under round-to-nearest still
-moves it on average. bfloat16 is float32 without its low 16 bits: adding a uniform 16-bit
-integer to those bits and clearing them rounds the magnitude up with exactly that
-probability, for either sign.
-
-The generator is the costly part (on CPU a serial kernel), so each element costs it 8 bits,
-not 16: the tensors are rounded as one flat run of ``n`` elements, and element ``i`` of its
-first half takes a uniform 16-bit draw ``d`` while element ``i`` of its second half (``h =
-ceil(n / 2)`` later) takes ``257 d`` modulo 2**16 (``d`` plus ``d`` shifted up a byte). Both
-are uniform over all 16-bit values (257 is odd), so the rounding stays exactly unbiased; and
-their high bytes are independent (the partner's is the sum of ``d``'s two bytes), so the two
-decisions are too, but when a high byte ties with the dropped bits' (1 time in 256) and the
-low byte decides. The draws are the 16-bit quarters of
-uniform 64-bit integers (each quarter of a uniform 64-bit integer is uniform, the four
-independent).
+The kernels and the generators live in ``ampkit.core.rounding``; see its docstring for how
+the rounding stays exactly unbiased.
 """
-from typing import Dict, List, Optional
-
-import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from .core import registry
+from .core.rounding import StochasticRounder, round_all_to_bf16_, round_to_bf16_
 
 __all__ = ["round_to_bf16_", "round_all_to_bf16_", "StochasticRounder", "manual_seed"]
 
-_PER_WORD = 4  # 16-bit draws per 64-bit word
-_HALF = 1 << 15
-_KEEP = -(1 << 16)  # as int32: 0xFFFF0000, the float32 bits bfloat16 keeps
 
-
-def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically with
-    random bits from ``generator`` (the device's default generator when ``None``)."""
-    round_all_to_bf16_([dst], [src.clone()], generator)
-    return dst
-
-
-def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], generator: Optional[torch.Generator] = None) -> None:
-    """``round_to_bf16_`` for lists of tensors on one device, with one generator call, as one
-    flat run of their elements (the same result as rounding their concatenation); ``srcs``
-    are used as scratch (their values may be lost)."""
-    for d, s in zip(dsts, srcs):
-        if s.dtype != torch.float32 or d.dtype != torch.bfloat16:
-            raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {d.dtype} and {s.dtype}.")
-    if not srcs:
-        return
-    flat = _flat(srcs)
-    n = flat.numel()
-    if n == 0:
-        return
-    h = (n + 1) // 2
-    words = torch.empty(-(-h // _PER_WORD), dtype=torch.int64, device=flat.device).random_(-2**63, None, generator=generator)
-    draws = words.view(torch.int16)[:h]  # signed: with _HALF added below, uniform in [0, 65536)
-    bits = flat.view(torch.int32)
-    bits[:h].add_(draws)
-    bits[h:].add_(torch.mul(draws[:n - h], 257))  # the partners' draws: 257 d, wrapping in 16 bits
-    bits.add_(_HALF).bitwise_and_(_KEEP)
-    torch._foreach_copy_(dsts, _unflatten_dense_tensors(flat, dsts))  # exact: the dropped bits are zero
-
-
-def _flat(srcs: List[torch.Tensor]) -> torch.Tensor:
-    """``srcs`` (at least one) as one flat tensor: a view when they lie back to back in one
-    storage (as O7's transient copies do), else a concatenated copy."""
-    first, at = srcs[0], srcs[0].data_ptr()
-    for s in srcs:
-        if not s.is_contiguous() or s.data_ptr() != at or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return _flatten_dense_tensors(srcs)
-        at += s.numel() * s.element_size()
-    return first.as_strided((sum(s.numel() for s in srcs),), (1,))
-
-
-class StochasticRounder:
-    """One seeded generator per device; ``state_dict`` captures them all for bit-exact resume.
-
-    Every generator starts from ``seed`` (the same on every rank, so data-parallel replicas
-    that apply the same update round it the same way).
-    """
-
-    def __init__(self, seed: int = 0):
-        self.seed = _check_seed(seed)
-        self.generators: Dict[str, torch.Generator] = {}
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        gen = self.generators.get(key)
-        if gen is None:
-            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return gen
-
-    def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        """``round_all_to_bf16_`` with the generator of the tensors' device (``srcs`` are lost)."""
-        if srcs:
-            round_all_to_bf16_(dsts, srcs, self.generator(srcs[0].device))
-
-    def manual_seed(self, seed: int) -> None:
-        """Restart every generator from ``seed``."""
-        self.seed = _check_seed(seed)
-        self.generators.clear()
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "generators": {k: g.get_state() for k, g in self.generators.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.check_state("stochastic_rounding", state)
-        self.manual_seed(state["seed"])
-        for key, value in state["generators"].items():
-            self.generator(torch.device(key)).set_state(value)
-
-    @staticmethod
-    def check_state(name: str, state) -> None:
-        """Raise a ValueError unless ``state`` is a :meth:`state_dict` of this class."""
-        if not isinstance(state, dict) or set(state) != {"seed", "generators"} or not isinstance(state["generators"], dict):
-            raise ValueError(f"{name}: expected a dict with 'seed' and 'generators', got {state!r}.")
-        _check_seed(state["seed"], f"{name}['seed']")
-        for key, value in state["generators"].items():
-            try:
-                torch.device(key)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"{name}['generators']: {key!r} is not a device.") from None
-            if not (torch.is_tensor(value) and value.dtype == torch.uint8):
-                raise ValueError(f"{name}['generators'][{key!r}]: expected a generator state (uint8 tensor).")
-
-
-def _check_seed(seed, name: str = "seed") -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"{name}={seed!r}: expected an integer in [0, 2**63).")
-    return seed
-
-
-def manual_seed(seed: int) -> None:
-    """Reseed the stochastic rounding of the latest ``initialize`` (default seed: 0)."""
-    from .frontend import current_session
-
-    rounder = current_session("ampkit.stochastic_rounding.manual_seed()").rounding
-    if rounder is None:
+def manual_seed(seed: int, optimizer=None) -> None:
+    """Reseed the stochastic rounding of the run ``optimizer`` belongs to (default: the
+    current run, the latest ``initialize`` with optimizers). The default seed is 0."""
+    caller = "ampkit.stochastic_rounding.manual_seed()"
+    run = registry.run_of(caller, optimizer)
+    if run.rounding is None:
         raise RuntimeError(
-            "ampkit.stochastic_rounding.manual_seed(): the latest initialize does not round updates "
-            "stochastically (use opt_level='O7' or update_rounding='stochastic')."
+            f"{caller}: {run.describe()} does not round updates stochastically (use opt_level='O7' "
+            f"or update_rounding='stochastic')."
         )
-    rounder.manual_seed(seed)
+    run.rounding.manual_seed(seed)

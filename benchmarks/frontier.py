@@ -2,7 +2,7 @@
 
     python benchmarks/frontier.py [--quick] [--json PATH] [--steps N] [--fp8-steps N]
 
-1. compensated bf16: the demo LM (``ampkit.demo.DEMO_LM``; ``--d-model`` for another width)
+1. compensated bf16: the demo LM (``ampkit.apps.demo.DEMO_LM``; ``--d-model`` for another width)
    trained with AdamW for ``--steps`` steps at two learning rates, at O5, O7 (fp32 optimizer state), O7 with bf16 optimizer
    state, and two round-to-nearest controls: O7 with ``update_rounding="nearest"`` (the same
    fp32 update, rounded to nearest) and plain bf16 (O3 with bfloat16: the optimizer steps on
@@ -32,8 +32,8 @@ from statistics import median
 import torch
 
 import ampkit
-from ampkit.demo import DEMO_LM, isolated, machine
-from ampkit.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
+from ampkit.apps.demo import DEMO_LM, isolated, machine
+from ampkit.apps.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
 from ampkit.footprint import persistent_bytes
 from run import table  # benchmarks/run.py: the same table layout
 

@@ -35,8 +35,8 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 import ampkit
-from ampkit.demo import MemoryMeter, machine
-from ampkit.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
+from ampkit.apps.demo import MemoryMeter, machine
+from ampkit.apps.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run import finish, table  # noqa: E402  (benchmarks/run.py: the same table and report footer)

@@ -47,9 +47,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit.demo import MemoryMeter, isolated, machine, peak_rss_bytes
-from ampkit.demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
-from ampkit.text_table import format_table
+from ampkit.apps.demo import MemoryMeter, isolated, machine, peak_rss_bytes
+from ampkit.apps.demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+from ampkit.core.text_table import format_table
 
 HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
 FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile")

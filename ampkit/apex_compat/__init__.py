@@ -23,7 +23,7 @@ ENV = "AMPKIT_APEX"  # "ampkit": stand in even over an installed Apex; "apex": u
 _ALIASES = {  # apex module -> the ampkit module it forwards to (None: the top-level package)
     "apex": None,
     "apex.amp": "ampkit",
-    "apex.amp._amp_state": "ampkit.apex_state",
+    "apex.amp._amp_state": "ampkit.api.apex_state",
     "apex.parallel": "ampkit.parallel",
     "apex.parallel.LARC": "ampkit.parallel.larc",
     "apex.parallel.distributed": "ampkit.parallel.distributed",

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..errors import NoEffectWarning
+from ..core.errors import NoEffectWarning
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Device types whose batch_norm kernels take half input with float32 weights and running

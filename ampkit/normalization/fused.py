@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import NoEffectWarning
+from ..core.errors import NoEffectWarning
 from .layer_norm import autocast_dtype
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import NoEffectWarning
-from ..surgery import replace_module_classes
+from ..core.errors import NoEffectWarning
+from ..install.surgery import replace_module_classes
 
 _AMP = ("amp_fp16", "amp_bf16", torch.float16, torch.bfloat16)
 # Known precisions without fp16/bf16 autocast (Composer's fp32, amp_fp8; full-precision dtypes):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..errors import NoEffectWarning
+from ..core.errors import NoEffectWarning
 
 __all__ = ["DistributedDataParallel"]
 
@@ -41,7 +41,7 @@ class _Reduction:
         self.fp32 = fp32
         self.predivide = predivide
         self.postmultiply = predivide / dist.get_world_size(group) if average else 1.0
-        self.pending = []  # (buffer, future) of buckets held back until the end of backward
+        self.held_back = []  # (buffer, future) of buckets held back until the end of backward
 
     def reduce(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Apex's order: optional fp32 copy, ``* 1/f``, sum over ranks, ``* f/world_size``."""
@@ -59,7 +59,7 @@ class _Reduction:
 
     def flush(self) -> None:
         """End of backward: reduce every held-back bucket, then release torch's reducer."""
-        pending, self.pending = self.pending, []
+        pending, self.held_back = self.held_back, []
         for reduced, held in [(self.reduce(buffer), held) for buffer, held in pending]:
             held.set_result(reduced.wait())
 
@@ -73,11 +73,11 @@ def _delayed_hook(state: _Reduction, bucket: dist.GradBucket) -> torch.futures.F
     # step (which waits on these futures) after the last one: our callback, queued at
     # bucket 0, runs before it.
     if bucket.index() == 0:
-        state.pending = []
+        state.held_back = []
         Variable._execution_engine.queue_callback(state.flush)
     buffer = bucket.buffer()
     held = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)  # CUDA: stream-safe hand-over
-    state.pending.append((buffer, held))
+    state.held_back.append((buffer, held))
     return held
 
 

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..casting import is_batchnorm
-from ..errors import NoEffectWarning
-from ..opt_levels import HALF_DTYPES
+from ..core import registry
+from ..core.casting import is_batchnorm
+from ..core.errors import NoEffectWarning
+from ..core.levels import HALF_DTYPES
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
 
@@ -239,24 +240,22 @@ def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     ``checkpoint_id``: the checkpoint's directory (or anything ``dcp.save`` takes as one);
     ``model``, ``optimizer``: as ``initialize(..., fsdp=True)`` returned them.
     """
-    from .. import frontend
-
+    run = registry.of_optimizer("ampkit.parallel.save_sharded()", optimizer)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict(optimizer=optimizer)}, checkpoint_id=checkpoint_id)
+    dcp.save({"model": model_state, "optimizer": optim_state, "amp": run.state_dict()}, checkpoint_id=checkpoint_id)
 
 
 def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what :func:`save_sharded` wrote under ``checkpoint_id`` into a model and optimizer
     prepared by the same ``initialize`` call (same level, same world size for a bit-exact resume)."""
-    from .. import frontend
-
+    run = registry.of_optimizer("ampkit.parallel.load_sharded()", optimizer)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state, "amp": frontend.state_dict(optimizer=optimizer)}
+    state = {"model": model_state, "optimizer": optim_state, "amp": run.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint_id)
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    frontend.load_state_dict(state["amp"], optimizer=optimizer)
+    run.load_state_dict(state["amp"], "ampkit.parallel.load_sharded")
 
 
 def full_state_dict(model: nn.Module) -> dict:

@@ -18,7 +18,7 @@ class LARC:
     """
 
     def __init__(self, optimizer, trust_coefficient: float = 0.02, clip: bool = True, eps: float = 1e-8):
-        from ..optimizer_wrappers import is_optimizer_like
+        from ..install.optimizer_wrappers import is_optimizer_like
 
         if not is_optimizer_like(optimizer):
             raise TypeError(f"LARC(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ampkit.errors import NoEffectWarning
+from ampkit.core.errors import NoEffectWarning
 from ampkit.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
 
 PLAIN = [FusedLayerNorm, FusedRMSNorm]

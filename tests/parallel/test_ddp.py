@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit.errors import NoEffectWarning
+from ampkit.core.errors import NoEffectWarning
 from ampkit.parallel import DistributedDataParallel, convert_syncbn_model
 from ampkit.parallel import distributed as ddp_impl
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import ampkit
 from ampkit.fp16_utils import FP16_Optimizer
-from ampkit.frontend import current_session
+from ampkit.core.registry import current as current_run
 from ampkit.parallel import LARC
 
 HALF = {"O2": torch.float16, "O5": torch.bfloat16}
@@ -120,7 +120,7 @@ def test_larc_through_initialize_matches_hand_written_masters(level):
         if poison[0]:
             assert all(torch.equal(a, b) for a, b in zip(before, ampkit.master_params(opt)))
             if level == "O2":
-                assert current_session("t").scalers[0].loss_scale() == scale / 2
+                assert current_run("t").scalers[0].loss_scale() == scale / 2
                 scale /= 2
             continue
         x, y = batch(step)

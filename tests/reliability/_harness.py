@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.frontend import current_session
+from ampkit.core.registry import current as current_run
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 DYNAMIC_LEVELS = {"O1", "O2"}  # the levels whose default loss scale is "dynamic"
@@ -60,7 +60,7 @@ LOSSES = (
 
 
 def scalers():
-    return current_session("reliability test").scalers
+    return current_run("reliability test").scalers
 
 
 # --- fault injection --------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import nn
 
 import ampkit
 from ampkit import checkpoint
-from ampkit.frontend import current_session
+from ampkit.core.registry import current as current_run
 
 OPTIMIZERS = {"O0": "sgd", "O2": "adamw", "O5": "adamw"}
 OVERFLOW_EVERY = 7  # steps with step % 7 == 3 get an inf gradient: the scaler state matters
@@ -41,7 +41,7 @@ def build(level: str):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
-    for s in current_session("resume worker").scalers:
+    for s in current_run("resume worker").scalers:
         s.growth_interval = 4  # not part of the saved state: set the same way in every process
     state = {"poison": False}
 

@@ -190,7 +190,7 @@ def open_window():
 
 
 def skipped_once(e):
-    assert e.opt._ampkit.session.scalers[0].skipped_steps == 1
+    assert e.opt._ampkit.run.scalers[0].skipped_steps == 1
 
 
 def nested_scale_loss(e):
@@ -382,10 +382,22 @@ TABLE = [
     Row("state", "loss_scale=1e-300 (0 in float32)", lambda: init("O2"), amp_load({"loss_scaler0": _scaler(1e-300)}),
         ValueError, "loss_scaler0['loss_scale']=1e-300: expected a positive finite number that float32 holds",
         where="ampkit.load_state_dict"),
-    Row("optimizer", "not given, two training runs alive", two_sessions, amp_load({"loss_scaler0": _scaler()}),
-        RuntimeError, "training runs (initialize calls with optimizers) are alive", where="ampkit.load_state_dict"),
-    Row("optimizer", "not given, two training runs alive", two_sessions, lambda e: ampkit.state_dict(),
-        RuntimeError, "training runs (initialize calls with optimizers) are alive", where="ampkit.state_dict"),
+    Row("optimizer", "the model instead", lambda: init("O2"), lambda e: ampkit.state_dict(optimizer=e.model), TypeError,
+        "ampkit.state_dict(): optimizer= expects an optimizer returned by ampkit.initialize, got a Tiny (an nn.Module: "
+        "pass it as model=...)", where="ampkit.state_dict"),
+    Row("optimizer", "the model instead", lambda: init("O2"),
+        lambda e: ampkit.load_state_dict({"loss_scaler0": _scaler()}, optimizer=e.model), TypeError,
+        "ampkit.load_state_dict(): optimizer= expects an optimizer returned by ampkit.initialize, got a Tiny",
+        where="ampkit.load_state_dict"),
+    Row("optimizer", "the model instead", lambda: init("O2"), lambda e: ampkit.loss_scalers(e.model), TypeError,
+        "ampkit.loss_scalers(): optimizer= expects an optimizer returned by ampkit.initialize, got a Tiny",
+        where="ampkit.loss_scalers"),
+    Row("optimizer", "the model instead", lambda: init("O2"), lambda e: ampkit.step_was_skipped(e.model), TypeError,
+        "ampkit.step_was_skipped(): optimizer= expects an optimizer returned by ampkit.initialize, got a Tiny",
+        where="ampkit.step_was_skipped"),
+    Row("model", "the optimizer instead", lambda: init("O2"), lambda e: ampkit.state_dict(model=e.opt), TypeError,
+        "ampkit.state_dict(): model= expects an nn.Module prepared by ampkit.initialize, got a SGD",
+        where="ampkit.state_dict"),
     Row("optimizer", "an optimizer that skipped initialize", lambda: init("O2"),
         lambda e: ampkit.state_dict(optimizer=torch.optim.SGD(e.model.parameters(), lr=0.1)), ValueError,
         "ampkit.state_dict(): optimizer=SGD did not go through ampkit.initialize", where="ampkit.state_dict"),
@@ -423,7 +435,7 @@ def _state(e: Env) -> dict:
     snap = snapshot(e.model, e.opt, grads=True)
     st = getattr(e.opt, "_ampkit", None)
     if st is not None:
-        snap["amp"] = [repr(s.state_dict()) for s in st.session.scalers]
+        snap["amp"] = [repr(s.state_dict()) for s in st.run.scalers]
     for i, m in enumerate(e.others):
         snap.update({f"other{i}.{k}": v for k, v in snapshot(m, grads=True).items()})
     return snap

@@ -24,7 +24,7 @@ def _trained(level="O2", opt_name="adamw", steps=5, seed=0, num_losses=1, **kw):
 
 def _full(model, opt):
     snap = snapshot(model, opt, grads=True)
-    snap["amp"] = [repr(s.state_dict()) for s in opt._ampkit.session.scalers]
+    snap["amp"] = [repr(s.state_dict()) for s in opt._ampkit.run.scalers]
     return snap
 
 

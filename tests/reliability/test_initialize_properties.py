@@ -136,7 +136,7 @@ def _train_one_step(model, opt):
         s.backward()
     opt.step()
     changed = diff(before, snapshot(model, opt))
-    skipped = opt._ampkit.session.scalers[0].skipped_steps
+    skipped = opt._ampkit.run.scalers[0].skipped_steps
     # it trained, or (a static loss scale too big for the half dtype) it skipped cleanly
     assert (skipped == 0 and "opt.params" in changed) or (skipped == 1 and changed == []), (skipped, changed)
     assert all_finite(model, opt)

@@ -73,7 +73,7 @@ def _state(model, opt):
         "masters": [raw(p) for p in ampkit.master_params(opt)],
         "model": {k: raw(v) for k, v in model.state_dict().items()},
         "opt": _rawtree(opt.state_dict()),
-        "amp": [s.state_dict() for s in opt._ampkit.session.scalers],
+        "amp": [s.state_dict() for s in opt._ampkit.run.scalers],
     }
 
 

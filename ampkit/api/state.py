@@ -1,0 +1,45 @@
+"""The run's state from outside the loop: loss-scaler checkpoints, scales and skipped steps.
+
+Each call takes the run from ``optimizer=`` (or ``model=``), else the current run (see
+``ampkit.core.registry``).
+"""
+from ..core import registry
+
+
+def state_dict(destination=None, optimizer=None, model=None) -> dict:
+    """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``.
+
+    At update_rounding="stochastic" (O7) also ``"stochastic_rounding"``: the rounding generators.
+
+    Args:
+        destination: a dict to fill (and return) instead of a new one.
+        optimizer, model: the run whose scalers are meant (else the current run).
+    """
+    return registry.run_of("ampkit.state_dict()", optimizer, model).state_dict(destination)
+
+
+def load_state_dict(state: dict, optimizer=None, model=None) -> None:
+    """Restore loss scalers from :func:`state_dict` output (or Apex's ``amp.state_dict()``).
+
+    Args:
+        state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` with one
+            entry per loss of the run; checked whole before anything loads.
+        optimizer, model: choose the run as in :func:`state_dict`.
+    """
+    registry.run_of("ampkit.load_state_dict()", optimizer, model).load_state_dict(state, "ampkit.load_state_dict")
+
+
+def loss_scalers(optimizer=None, model=None) -> list:
+    """The :class:`~ampkit.LossScaler` of each loss (``loss_id`` order) of one training run.
+
+    Read ``s.loss_scale()``, ``s.skipped_steps`` (steps skipped for an overflow in this
+    loss so far) and ``s.consecutive_overflows``.
+    """
+    return list(registry.run_of("ampkit.loss_scalers()", optimizer, model).scalers)
+
+
+def step_was_skipped(optimizer) -> bool:
+    """Whether ``optimizer``'s last ``step()`` was skipped because gradients overflowed
+    (an LR scheduler should then not advance). False before its first step."""
+    registry.of_optimizer("ampkit.step_was_skipped()", optimizer)
+    return optimizer._ampkit.last_step_skipped

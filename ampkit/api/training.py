@@ -1,0 +1,94 @@
+"""``scale_loss`` and ``master_params``: the calls inside a training loop."""
+import contextlib
+
+import torch
+
+from ..core import registry
+from ..install.optimizer_state import OptimizerState
+from ..install.optimizer_wrappers import OptimizerLike
+from ..install.overflow import OverflowCheck
+from ..pipeline.request import as_list
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bool = False, delay_overflow_check: bool = False):
+    """Yield ``loss.float() * scale``; on exit unscale the optimizers' gradients and check them.
+
+    An overflow (inf/NaN in any gradient) makes the next ``step()`` of each given
+    optimizer a no-op and, for a dynamic scaler, lowers the scale.
+
+    Args:
+        loss: a one-element tensor.
+        optimizers: the optimizer (or list of optimizers) returned by ``initialize`` whose
+            parameters this loss's backward reaches.
+        loss_id: which loss scaler to use, in ``[0, num_losses)``.
+        model: accepted for Apex compatibility; unused.
+        delay_unscale: keep gradients scaled on exit (gradient accumulation across several
+            ``scale_loss`` blocks; the last block of the window unscales them all).
+        delay_overflow_check: postpone the host sync that decides the skip to
+            ``optimizer.step()``.
+    """
+    opts, _ = as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
+    run = _run_of(opts)
+    if not run.enabled:
+        yield loss
+        return
+    scaler = run.scalers[_check_args(run, loss, loss_id, delay_unscale, delay_overflow_check)]
+    states = list({id(o): o._ampkit for o in opts}.values())  # an optimizer listed twice counts once
+    OptimizerState.begin_backward(states, scaler)
+    scale = scaler.loss_scale()
+    try:
+        yield loss.float() * scale if scale != 1.0 else loss.float()
+    except BaseException:
+        # A batch dropped inside the block: whatever backward wrote still carries the
+        # scale. Record it, so zero_grad() discards it and a later backward unscales it.
+        OptimizerState.hold_scaled(states, scaler)
+        raise
+    if delay_unscale:
+        OptimizerState.hold_scaled(states, scaler)
+        return
+    check = OverflowCheck(run, scaler, states)
+    for st in states:
+        st.unscale(check, 1.0 / scale)
+    if not delay_overflow_check:
+        check.resolve()
+
+
+def _check_args(run, loss, loss_id, delay_unscale, delay_overflow_check) -> int:
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise ValueError(f"scale_loss(loss=...): expected a scalar (one-element) tensor, got {shape}; reduce it first (e.g. loss.mean()).")
+    n = len(run.scalers)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
+        raise ValueError(f"scale_loss(loss_id={loss_id!r}): expected an integer in [0, {n - 1}] (initialize got num_losses={n}).")
+    for name, value in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
+        if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+            raise TypeError(f"scale_loss({name}={value!r}): expected True or False.")
+    return loss_id
+
+
+def _run_of(opts):
+    states = [getattr(o, "_ampkit", None) for o in opts]
+    runs = {id(st.run): st.run for st in states if st is not None}
+    if len(runs) > 1:
+        raise RuntimeError("scale_loss: the optimizers come from different ampkit.initialize calls; pass them to one initialize.")
+    if runs and all(st is not None for st in states):
+        return next(iter(runs.values()))
+    latest = registry.latest()
+    if not runs and latest is not None and not latest.enabled:
+        return latest
+    raise RuntimeError(
+        "scale_loss was called with an optimizer that did not go through ampkit.initialize; call "
+        "model, optimizer = ampkit.initialize(model, optimizer, opt_level=...) before `with ampkit.scale_loss(...)`."
+    )
+
+
+def master_params(optimizer):
+    """Yield the parameters ``optimizer`` steps on: fp32 masters where they exist.
+
+    Args:
+        optimizer: an optimizer returned by ``initialize`` (for gradient clipping:
+            ``clip_grad_norm_(ampkit.master_params(optimizer), max_norm)`` after ``scale_loss``).
+    """
+    for group in optimizer.param_groups:
+        yield from group["params"]

@@ -1,0 +1,417 @@
+"""``python -m ampkit demo``: train the built-in models at every opt level, compare in one table.
+
+By default the demo first says what this machine does natively in half precision
+(:func:`ampkit.capabilities`), then sizes itself to finish within a minute: a quick probe
+times three steps per model and compute dtype (fp8 on its own) at a sixteenth of the batch,
+under the same load and threads as the runs, and the steps per run (and, on a slower
+machine, the batch) are chosen to fit the time that start-up and probe left. ``--steps N``
+runs N steps at full size instead.
+
+Each (model, level) run trains in its own fresh process (forked from a server that has
+already imported torch), so its peak memory is its own: the resident-set high-water
+mark above the process's resident set just before the model was built (on CUDA: the
+peak of ``torch.cuda.max_memory_allocated``). Steps/s leaves out the first step
+(kernel selection and one-time allocations). Every level starts from the same seeded
+weights and sees the same batches.
+"""
+import dataclasses
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import resource
+import sys
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ..core import text_table
+from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+from ..api.footprint import bytes_per_param
+from .progress import Progress
+
+LEVELS = tuple(ampkit.OPT_LEVELS)
+MODELS = ("lm", "cnn")
+DEMO_LM = LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16)
+DEMO_CNN = dict(width=16, size=16, batch=32)
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+# --- isolation: one fresh process per run ----------------------------------------------
+
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+_CTX = multiprocessing.get_context(_start_method())
+if _CTX.get_start_method() == "forkserver":
+    # torch.optim imports torch._dynamo on first use (seconds): pay that once, in the server.
+    _CTX.set_forkserver_preload(["ampkit.demo", "torch._dynamo"])
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send(("result", fn(*args, report=lambda *msg: conn.send(("progress", msg)))))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def isolated(fn: Callable, *args, report: Optional[Callable] = None):
+    """``fn(*args, report=...)`` in a fresh process; its ``report(...)`` calls reach ``report`` here.
+
+    ``fn`` must be importable (module level). Returns what ``fn`` returns; an exception
+    in the process is raised here as a RuntimeError carrying the worker's traceback.
+    """
+    receive, send = _CTX.Pipe(duplex=False)
+    proc = _CTX.Process(target=_child, args=(send, fn, args))
+    proc.start()
+    send.close()
+    try:
+        while True:
+            try:
+                kind, value = receive.recv()
+            except EOFError:
+                proc.join()
+                raise RuntimeError(f"{fn.__name__}: worker process died (exit code {proc.exitcode})") from None
+            if kind == "progress":
+                if report is not None:
+                    report(*value)
+            elif kind == "result":
+                return value
+            else:
+                raise RuntimeError(f"{fn.__name__} failed in its worker process:\n{value}")
+    finally:
+        receive.close()
+        proc.join()
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (``getrusage``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class MemoryMeter:
+    """Peak memory from construction on: the rise of CUDA's peak allocated, or of the RSS high-water mark."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.device = device.type == "cuda", device
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        self.base = torch.cuda.memory_allocated(device) if self.cuda else peak_rss_bytes()
+
+    def peak_mib(self) -> float:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else peak_rss_bytes()
+        return (peak - self.base) / 2**20
+
+
+# --- one training run -------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _batch_size(model_name: str, scale: float) -> int:
+    return max(1, round((DEMO_LM.batch if model_name == "lm" else DEMO_CNN["batch"]) * scale))
+
+
+def _lm_shape(scale: float) -> LMConfig:
+    """The LM's batch at ``scale`` times the default tokens: fewer sequences, down to 2, then shorter ones."""
+    batch = max(2, round(DEMO_LM.batch * scale))
+    seq_len = max(8, min(DEMO_LM.seq_len, round(DEMO_LM.seq_len * DEMO_LM.batch * scale / batch)))
+    return dataclasses.replace(DEMO_LM, batch=batch, seq_len=seq_len)
+
+
+def _batches(model_name: str, scale: float = 1.0):
+    if model_name == "lm":
+        return lm_batches(_lm_shape(scale), 8)
+    return image_batches(8, _batch_size("cnn", scale), DEMO_CNN["size"])
+
+
+def _size(model_name: str, scale: float) -> str:
+    if model_name == "lm":
+        shape = _lm_shape(scale)
+        return f"{shape.batch}x{shape.seq_len} tokens"
+    return f"{_batch_size(model_name, scale)} images"
+
+
+def _model(model_name: str):
+    """(model, SGD optimizer, loss function), seeded: every level starts from the same weights."""
+    torch.manual_seed(0)
+    if model_name == "lm":
+        model, loss_fn, lr = TinyLM(DEMO_LM), lm_loss, 0.3
+    else:
+        model, loss_fn, lr = ConvNet(DEMO_CNN["width"]), F.cross_entropy, 0.05
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), loss_fn
+
+
+def _dtypes(tensors) -> str:
+    """Dtypes by share of elements, e.g. ``fp16+fp32`` (BatchNorm kept fp32)."""
+    numel: Dict[torch.dtype, int] = {}
+    for t in tensors:
+        numel[t.dtype] = numel.get(t.dtype, 0) + t.numel()
+    return "+".join(SHORT.get(d, str(d)) for d in sorted(numel, key=numel.get, reverse=True))
+
+
+def _import_torchao() -> None:
+    """Import torchao with its import-time log lines held back (a CUDA kernel library it
+    cannot load on this machine, a torch deprecation notice): they say nothing about the run."""
+    from ..install import float8
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        float8.require()
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: float = 1.0, threads: int = 0,
+          report: Optional[Callable] = None) -> dict:
+    """Train ``model_name`` at ``level`` for ``steps`` steps on batches ``scale`` times the
+    default size (with ``threads`` CPU threads when positive); return one row of the table."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name, scale)]
+    if getattr(ampkit.OPT_LEVELS.get(level), "fp8", False):  # an unknown level fails in initialize
+        _import_torchao()  # before the meter: torchao's code is not the run's memory
+    meter = MemoryMeter(dev)
+    model, optimizer, loss_fn = _model(model_name)
+    model, optimizer = ampkit.initialize(model.to(dev), optimizer, opt_level=level, verbosity=0)
+    losses, start = [], time.perf_counter()
+    for step, (x, y) in zip(range(steps), itertools.cycle(batches)):
+        if step == 1:
+            _sync(dev)
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        with ampkit.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        if report is not None:
+            report(step + 1)
+    _sync(dev)
+    seconds = time.perf_counter() - start
+    scaler = ampkit.loss_scalers(optimizer)[0]
+    props = optimizer._ampkit.run.properties
+    losses = torch.stack(losses).float().tolist()
+    return {
+        "model": model_name,
+        "level": level,
+        "batch": _size(model_name, scale),
+        "weights": _dtypes(model.parameters()),
+        "compute": SHORT[props.half_dtype] if props.patch_torch_functions else _dtypes(model.parameters()).split("+")[0],
+        "masters": "fp32" if optimizer._ampkit.masters else "-",
+        "bytes_per_param": bytes_per_param([model], [optimizer]),
+        "steps_per_s": max(steps - 1, 1) / seconds,
+        "peak_mib": meter.peak_mib(),
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "skipped_steps": scaler.skipped_steps,
+        "loss_scale": scaler.loss_scale(),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the whole demo ---------------------------------------------------------------------
+
+def machine(device: torch.device) -> dict:
+    """What the figures were measured on."""
+    cpu, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            first_cpu = f.read().split("\n\n", 1)[0]
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
+        cpu = fields["model name"]
+        flags = [x for x in fields["flags"].split() if x.startswith(("amx", "avx512_bf16", "avx512_fp16"))]
+    except (OSError, KeyError):
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_flags": " ".join(flags),
+        "cores": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "device": str(device),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", progress: bool = True,
+        scale: float = 1.0, threads: int = 0) -> List[dict]:
+    """Train every model at every level, each in a fresh process; return the rows."""
+    dev = resolve_device(device)
+    bar = Progress(len(levels) * len(models), steps) if progress else None
+    rows = []
+    for model_name in models:
+        for level in levels:
+            if bar:
+                bar.start(f"{model_name:3} {level}")
+            rows.append(isolated(train, model_name, level, steps, str(dev), scale, threads,
+                                 report=bar.step if bar else None))
+            if bar:
+                bar.finish()
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["level"] == "O0"), None)
+        row["speedup"] = row["steps_per_s"] / base["steps_per_s"] if base else None
+    return rows
+
+
+# --- sizing the default demo to the machine ---------------------------------------------
+
+BUDGET_S = 30.0  # training time the default demo aims for where start-up and probe are quick
+DEADLINE_S = 40.0  # from main() to the table; of 60 s the rest is importing torch (8 s on 2 loaded cores) and slack
+RUN_OVERHEAD_S = 0.3  # fork, build and initialize per run, on top of the probed first step
+MIN_STEPS, MAX_STEPS = 10, 30
+PROBE_SCALE = 1 / 16  # the probe's batch, as a share of the demo's
+SCALES = (1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32)
+
+
+def _probe_level(level: str) -> str:
+    """The level whose probe stands for ``level``: the one casting the model to the same compute
+    dtype; fp8 levels probe themselves (emulated fp8 matmuls cost several bf16 ones)."""
+    props = ampkit.OPT_LEVELS[level]
+    if level == "O0" or props.fp8:
+        return level
+    return "O5" if props.half_dtype == torch.bfloat16 else "O2"
+
+
+def probe(models, levels, device: str, threads: int = 0, report: Optional[Callable] = None) -> Dict[str, List[float]]:
+    """In one process: ``"model level" -> [first step s, later step s]`` for each model and each
+    probe level of ``levels``, 3 steps at ``PROBE_SCALE`` of the batch. The first step's time
+    includes building and initializing the model; a later step's is the slower of the two."""
+    out = {}
+    for model_name in models:
+        for level in sorted({_probe_level(lvl) for lvl in levels}):
+            stamps, start = [], time.perf_counter()
+            train(model_name, level, 3, device, PROBE_SCALE, threads,
+                  report=lambda done: stamps.append(time.perf_counter()))
+            out[f"{model_name} {level}"] = [stamps[0] - start, max(b - a for a, b in zip(stamps, stamps[1:]))]
+    return out
+
+
+def run_budget(elapsed: float) -> float:
+    """Training seconds for :func:`plan` when start-up and probe took ``elapsed`` seconds."""
+    return min(BUDGET_S, DEADLINE_S - elapsed)
+
+
+def plan(times: Dict[str, List[float]], models, levels, budget: float = BUDGET_S):
+    """(steps, batch scale): the most steps (at most ``MAX_STEPS``) at the largest batch that fit
+    ``budget`` with at least ``MIN_STEPS``; else what fits (at least 3 steps) at the smallest batch."""
+    runs = [times[f"{m} {_probe_level(lvl)}"] for m in models for lvl in levels]
+    steps = MIN_STEPS
+    for scale in SCALES:
+        k = scale / PROBE_SCALE  # step time grows at most linearly with the batch
+        fixed = sum(RUN_OVERHEAD_S + first * max(k, 1.0) for first, _ in runs)  # building does not shrink
+        per_step = sum(step * k for _, step in runs)
+        steps = 1 + int((budget - fixed) / per_step) if budget > fixed else 0
+        if steps >= MIN_STEPS:
+            return min(steps, MAX_STEPS), scale
+    return max(3, steps), SCALES[-1]
+
+
+def describe(caps) -> List[str]:
+    """What half precision buys on this device, in plain words."""
+    by_gain: Dict[str, List[str]] = {}
+    for level, gain in caps.levels.items():
+        if level != "O0":
+            by_gain.setdefault(gain, []).append(level)
+    lines = [f"This machine: {caps.line()}"]
+    lines += [f"  {'/'.join(lvls)}: {gain}" for gain, lvls in by_gain.items()]
+    if caps.device == "cpu" and not (caps.native_bf16 or caps.native_fp16):
+        lines.append("  Half precision is emulated on this CPU: here it only saves memory, and half levels are "
+                     "expected to run slower than O0 (the tiny demo runs are dominated by fixed costs).")
+    elif caps.device == "cpu" and not caps.native_fp16:
+        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5/O7) is the fast path.")
+    return lines
+
+
+COLUMNS = [
+    ("model", "model", "{}"), ("level", "level", "{}"), ("weights", "weights", "{}"),
+    ("compute", "compute", "{}"), ("masters", "masters", "{}"),
+    ("bytes/param", "bytes_per_param", "{:.1f}"), ("steps/s", "steps_per_s", "{:.1f}"),
+    ("vs O0", "speedup", "{:.2f}x"), ("peak MiB", "peak_mib", "{:.0f}"), ("first loss", "first_loss", "{:.3f}"),
+    ("final loss", "final_loss", "{:.3f}"), ("skipped", "skipped_steps", "{}"), ("loss scale", "loss_scale", "{:g}"),
+]
+
+
+def format_table(rows: List[dict]) -> str:
+    head = [c[0] for c in COLUMNS]
+    body = [["-" if r[key] is None else fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in rows]
+    return text_table.format_table(head, body, left=5)
+
+
+def _installed(levels):
+    """``levels`` without the fp8 ones when torchao (the ``ampkit[fp8]`` extra) is missing, saying so."""
+    from ..install import float8
+
+    missing = [lvl for lvl in levels if ampkit.OPT_LEVELS[lvl].fp8 and not float8.available()]
+    if missing:
+        print(f"left out {', '.join(missing)}: fp8 needs torchao (pip install '{float8.EXTRA}')", flush=True)
+    return [lvl for lvl in levels if lvl not in missing]
+
+
+def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str = "auto",
+         json_path: Optional[str] = None) -> List[dict]:
+    """Run the demo, print the table (and write ``json_path``); return the rows.
+
+    ``steps=None`` sizes the demo to the machine (see :func:`plan`); a number runs that many
+    steps at the full batch.
+    """
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    info = machine(dev)
+    levels = _installed(levels)
+    caps = ampkit.capabilities(dev)
+    print(f"ampkit {ampkit.__version__} demo on {info['device']} ({info['cpu']}, {info['threads']} threads, "
+          f"torch {info['torch']})", flush=True)
+    print("\n".join(describe(caps)), flush=True)
+    scale, times, threads = 1.0, None, 0
+    if steps is None:
+        load = info["load_average"]
+        if dev.type == "cpu" and load is not None and info["threads"] > 1 and load >= info["cores"]:
+            # Threads of one op wait for each other; on a busy machine each wait can cost a time slice.
+            threads = 1
+            print(f"The machine is busy (load average {load:.1f} on {info['cores']} cores): one thread per run.")
+        probed = time.perf_counter()
+        times = isolated(probe, tuple(models), tuple(levels), str(dev), threads)
+        steps, scale = plan(times, models, levels, run_budget(time.perf_counter() - started))
+        sizes = ", ".join(f"{m} {_size(m, scale)}" for m in models)
+        print(f"Speed probe ({time.perf_counter() - probed:.1f} s): {steps} steps per run, {sizes}, to finish within "
+              f"a minute (--steps N: N steps at the full batch).", flush=True)
+    rows = run(levels, steps, models, str(dev), scale=scale, threads=threads)
+    memory = "peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS of the run's own process above its RSS before the model was built"
+    print()
+    print(format_table(rows))
+    print(f"\nsteps/s: steps 2..{steps} (the first step is warm-up); peak MiB: {memory}; bytes/param: weights, "
+          f"master weights and optimizer state (SGD momentum) after the run, measured from their storages.")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": info, "capabilities": dataclasses.asdict(caps), "steps": steps, "batch_scale": scale,
+                       "threads_per_run": threads or info["threads"], "probe": times, "rows": rows}, f, indent=2)
+        print(f"wrote {json_path}")
+    return rows

@@ -1,0 +1,191 @@
+"""Half weights without fp32 masters: each step is computed in fp32 and rounded back.
+
+At levels with ``update_rounding`` (O7) the optimizer holds the model's half parameters and
+any ``torch.optim`` optimizer steps on them through :class:`TransientUpdate`, chunk by
+chunk: a chunk's half parameters and gradients get float32 copies (views of one buffer,
+filled by one fused copy), which the optimizer steps on in their place (its
+state is keyed by the copies for that call); the results are rounded back into the half
+weights with one generator call, stochastically (``"stochastic"``) or to nearest. The
+copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMENTS`
+(a larger single tensor is its own chunk), and nothing fp32 persists but the optimizer
+state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
+(those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
+same way. Float32 parameters (BatchNorm kept fp32) are stepped as they are.
+
+The optimizer must update each parameter from its own gradient and state (every
+``torch.optim`` optimizer but LBFGS does): it is called once per chunk, seeing only that
+chunk's gradients.
+"""
+import types
+from typing import Callable, List, Optional
+
+import torch
+from torch._utils import _unflatten_dense_tensors
+
+from ..core.levels import HALF_DTYPES
+from ..core.rounding import StochasticRounder
+
+CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
+
+
+def chunks(slots, limit: int) -> List[list]:
+    """``slots`` (``(group, index, param)``) split into runs of at most ``limit`` half elements;
+    float32 parameters join the first chunk, so each is stepped exactly once."""
+    out, size = [[]], 0
+    for slot in slots:
+        p = slot[2]
+        if p.dtype not in HALF_DTYPES:
+            out[0].append(slot)
+            continue
+        if size and size + p.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(slot)
+        size += p.numel()
+    return [c for c in out if c]
+
+
+class TransientUpdate:
+    """Replaces the optimizer's own ``step`` inside ampkit's wrapped ``step`` (after the
+    overflow check, so a skipped step never reaches it: weights, optimizer state and the
+    rounding generators stay untouched)."""
+
+    def __init__(self, optimizer, step: Callable, rounding: str, rounder: Optional[StochasticRounder],
+                 state_dtype: Optional[torch.dtype]):
+        self.optimizer = optimizer
+        self.step = step
+        self.rounding = rounding
+        self.rounder = rounder
+        self.state_dtype = state_dtype
+
+    def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        """``dsts[i] = srcs[i]`` (float32 into half), rounded with one generator call; ``srcs``
+        may be overwritten."""
+        if not dsts:
+            return
+        if self.rounding == "stochastic" and all(d.dtype == torch.bfloat16 for d in dsts):
+            return self.rounder.round_(dsts, srcs)
+        torch._foreach_copy_(dsts, srcs)
+
+    def __call__(self):
+        opt = self.optimizer
+        slots = [(g, i, p) for g in opt.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
+        grads = {p: p.grad for _, _, p in slots}
+        for p in grads:
+            p.grad = None  # each chunk's step sees only its own gradients
+        result = None
+        try:
+            for chunk in chunks(slots, CHUNK_ELEMENTS):
+                result = self._step_chunk(chunk, grads)
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+        return result
+
+    def _step_chunk(self, chunk, grads):
+        """One optimizer call on fp32 copies of the chunk's half parameters, gradients and
+        half state (views of one buffer, so one allocation and one fused copy); then the
+        weights, and the state when it is stored in half, are rounded back (one generator
+        call each)."""
+        opt, swapped = self.optimizer, []
+        half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
+        stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
+                  if _elementwise(k, v, p) and v.dtype != torch.float32]
+        srcs = half + [grads[p] for p in half] + [v for _, _, v in stored]
+        wide = []
+        if srcs:
+            wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
+            with torch.no_grad():
+                torch._foreach_copy_(wide, srcs)
+        copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
+        for (st, k, _), w in zip(stored, wide[2 * len(half):]):
+            st[k] = w
+        copy_of = dict(zip(half, zip(copies, grad_copies)))
+        try:
+            for group, i, p in chunk:
+                if p not in copy_of:
+                    p.grad = grads[p]
+                    continue
+                f, f.grad = copy_of[p]
+                group["params"][i] = f
+                state = opt.state.pop(p, None)
+                if state is not None:
+                    opt.state[f] = state
+                swapped.append((group, i, p, f))
+            result = self.step()
+            with torch.no_grad():
+                self.round_into(half, copies)
+                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into,
+                             {(id(st), k): v for st, k, v in stored})
+            return result
+        finally:
+            for group, i, p, f in swapped:
+                group["params"][i] = p
+                state = opt.state.pop(f, None)
+                if state is not None:
+                    opt.state[p] = state
+            for group, i, p in chunk:
+                p.grad = None
+
+    def _narrow(self, states, round_into, stored=None) -> None:
+        """Elementwise float32 state to ``state_dtype`` (when that is a half dtype), into the
+        half tensors it was widened from where there are some."""
+        if self.state_dtype is None or self.state_dtype == torch.float32:
+            return
+        found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != self.state_dtype]
+        if not found:
+            return
+        stored = stored or {}
+        dsts = [stored.get((id(st), k)) for st, k, _ in found]
+        dsts = [torch.empty_like(v, dtype=self.state_dtype) if d is None else d for d, (_, _, v) in zip(dsts, found)]
+        with torch.no_grad():
+            round_into(dsts, [v.float() for _, _, v in found])
+        for (st, k, _), d in zip(found, dsts):
+            st[k] = d
+
+    def load_state_dict(self, load: Callable, state_dict: dict) -> None:
+        """``optimizer.load_state_dict``: torch casts loaded state to each parameter's dtype,
+        which would round fp32 state to half; the half parameters are shown to it as fp32
+        stand-ins, and the state is re-keyed (and stored as ``state_dtype``) afterwards."""
+        opt, real = self.optimizer, {}
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.dtype in HALF_DTYPES:
+                    stand_in = torch.empty(0, dtype=torch.float32, device=p.device)
+                    real[stand_in] = p
+                    group["params"][i] = stand_in
+        try:
+            load(state_dict)
+        finally:
+            for group in opt.param_groups:
+                group["params"] = [real.get(p, p) for p in group["params"]]
+            for stand_in, p in real.items():
+                state = opt.state.pop(stand_in, None)
+                if state is not None:
+                    opt.state[p] = state
+            self._narrow([(opt.state[p], p) for p in real.values() if p in opt.state], _copy_into)  # exact, no draws
+
+
+def _load_state_dict(optimizer, state_dict: dict) -> None:
+    """``optimizer.load_state_dict()`` at update_rounding levels: see :meth:`TransientUpdate.load_state_dict`."""
+    update = optimizer._ampkit._step
+    update.load_state_dict(update.load, state_dict)
+
+
+def _copy_into(dsts, srcs) -> None:
+    torch._foreach_copy_(dsts, srcs)
+
+
+def _elementwise(key, value, p: torch.Tensor) -> bool:
+    return key != "step" and torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape
+
+
+def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state_dtype: Optional[torch.dtype]) -> None:
+    """Make ``opt_state``'s optimizer step through a :class:`TransientUpdate`."""
+    opt = opt_state.optimizer
+    update = TransientUpdate(opt, opt_state._step, rounding, rounder, state_dtype)
+    opt_state._step = update
+    update.load = opt.load_state_dict
+    opt.load_state_dict = types.MethodType(_load_state_dict, opt)
+    held = [p for g in opt.param_groups for p in g["params"] if p in opt.state]
+    update._narrow([(opt.state[p], p) for p in held], _copy_into)  # state it already had, as state_dtype

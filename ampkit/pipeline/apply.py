@@ -1,0 +1,76 @@
+"""Step 4, apply: the only step that changes models and optimizers. It runs after every
+check passed, and returns the :class:`~ampkit.core.run.Run` it set up."""
+import torch
+from torch import nn
+
+from ..core.casting import cast_module_
+from ..core.levels import HALF_DTYPES
+from ..core.rounding import StochasticRounder
+from ..core.run import Run
+from ..core.scaler import LossScaler
+from ..install import float8, transient_update
+from ..install.model_state import ModelState, attach
+from ..install.optimizer_state import OptimizerState
+from ..install.recurrent import float32_recurrent_layers
+from ..normalization import apply_low_precision_layernorm, enable_mixed_input_batchnorm
+from ..parallel import fsdp
+from .plan import Plan, device_type
+
+
+def apply(plan: Plan) -> Run:
+    """Cast and hook the models, shard them (FSDP2), attach masters and the step protocol."""
+    opts, props = plan.request.options, plan.props
+    run = Run(True, props, verbosity=opts["verbosity"], device_type=plan.device_type,
+              rounding=StochasticRounder() if props.update_rounding == "stochastic" else None,
+              optimizer_names=[type(o).__name__ for o in plan.request.optimizers])
+    # Masters start from the fp32 values, not from the rounded half copies: keep the
+    # pre-cast tensors (no copy; the cast rebinds .data).
+    originals = {p: p.data for m in plan.request.models for p in m.parameters()} if plan.use_masters else {}
+    for m in plan.request.models:
+        _prepare(m, plan, run)
+    model_states = [m._ampkit for m in plan.request.models]
+    run.scalers = [
+        LossScaler(props.loss_scale, min_loss_scale=plan.min_scale, max_loss_scale=plan.max_scale,
+                   hysteresis=opts["loss_scale_hysteresis"])
+        for _ in range(opts["num_losses"])
+    ]
+    for opt in plan.request.optimizers:
+        OptimizerState(opt, run, plan.use_masters, model_states, originals).attach()
+        if props.update_rounding:
+            transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
+    originals.clear()
+    return run
+
+
+def _prepare(model: nn.Module, plan: Plan, run: Run) -> None:
+    if plan.props.fp8:
+        float8.convert_(model, plan.props.fp8, plan.fp8_exclude, run.log)
+    sharding = plan.sharding
+    _cast_and_hook(model, plan.props if sharding is None else sharding.model_props, plan.request.options["cast_model_outputs"])
+    if sharding is not None:
+        sharded = sharding.shard(model)
+        for opt in plan.request.optimizers:
+            fsdp.adopt_sharded(opt, sharded)
+
+
+def _cast_and_hook(model: nn.Module, props, cast_model_outputs) -> None:
+    """Cast ``model`` as ``props`` say and attach its :class:`ModelState` (class swap, hooks)."""
+    cast = props.cast_model_type
+    keep_bn = bool(props.keep_batchnorm_fp32) if cast in HALF_DTYPES else False
+    if cast is not None:
+        cast_module_(model, cast, keep_bn)
+    if keep_bn:
+        enable_mixed_input_batchnorm(model)
+    device = device_type(model)
+    if props.low_precision_layernorm and props.patch_torch_functions:
+        apply_low_precision_layernorm(model, props.half_dtype)
+    autocast = props.patch_torch_functions and float32_recurrent_layers(model, device)
+    output_dtype = cast_model_outputs or (torch.float32 if (cast is not None or autocast) else None)
+    state = ModelState(
+        model,
+        input_dtype=cast,
+        output_dtype=output_dtype,
+        autocast_device=device if autocast else None,
+        autocast_dtype=props.half_dtype if autocast else None,
+    )
+    attach(model, state)

@@ -1,0 +1,60 @@
+"""``ampkit.initialize``: a short body of named steps over the pipeline's modules."""
+from ..core import registry
+from ..core.levels import HALF_DTYPES
+from ..core.options import SIGNATURE, args_doc
+from ..core.run import Run
+from ..parallel import DistributedDataParallel
+from .apply import apply
+from .check import check
+from .plan import make_plan
+from .report import report
+from .request import parse
+
+
+def initialize(*args, **kwargs):
+    request = parse(args, kwargs)  # 1. parse: the arguments bound to the one option list
+    if not request.enabled:
+        run = Run(False, verbosity=request.options["verbosity"], optimizer_names=[type(o).__name__ for o in request.optimizers])
+        registry.register(run, ())
+        return request.returned(request.given_models)
+    plan = make_plan(request)  # 2. plan (pure): level, auto, fsdp plan, fp8, masters
+    check(plan)  # 3. check (pure): models, optimizers, weights
+    run = apply(plan)  # 4. apply: the only mutation
+    registry.register(run, request.models)  # 5. register: the run becomes reachable
+    report(plan, run)  # 6. report
+    return request.returned(wrap(plan))  # 7. wrap
+
+
+def wrap(plan):
+    """The models as returned: wrapped in DistributedDataParallel with ``ddp=True``."""
+    request = plan.request
+    if not request.options["ddp"]:
+        return request.given_models
+    kwargs = dict(request.options["ddp_kwargs"] or {})
+    kwargs.setdefault("allreduce_always_fp32", plan.props.cast_model_type in HALF_DTYPES and not plan.props.master_weights)
+    models = [DistributedDataParallel(m, **kwargs) for m in request.models]
+    return models[0] if request.single_model else models
+
+
+initialize.__signature__ = SIGNATURE
+initialize.__doc__ = f"""Prepare models and optimizers for mixed precision at ``opt_level`` (see ``ampkit levels``).
+
+    Returns the same structure it was given: a model or a list of models, and (when
+    optimizers were passed) an optimizer or a list of them. The objects keep their identity
+    and class. Every argument is checked before anything is modified, so a bad value raises
+    a ``TypeError``/``ValueError`` naming the argument and leaves models and optimizers
+    untouched. Options left at ``None`` take the level's default from the property table.
+
+    Args:
+        models: an ``nn.Module`` or a list of them, on one device type, not yet wrapped in
+            DistributedDataParallel (pass ``ddp=True`` to wrap after preparing).
+        optimizers: a ``torch.optim.Optimizer`` or a list of them, holding only parameters
+            of ``models``; ``None`` for inference-only models.
+        enabled: ``False`` turns ampkit off: models and optimizers are returned unchanged and
+            ``scale_loss`` yields the loss as it is.
+        opt_level: ``"O0"``..``"O7"``: fp32; autocast fp16 (O1); fp16 model + fp32 masters
+            (O2); pure fp16 (O3); autocast bf16 (O4); bf16 model + fp32 masters (O5); O5 with
+            fp8 linear layers (O6); pure bf16 with stochastically rounded updates (O7); or
+            ``"auto"``: the fastest safe level for the model's device (see ``ampkit.capabilities``).
+{args_doc()}
+    """

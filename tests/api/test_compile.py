@@ -1,0 +1,167 @@
+"""torch.compile over an initialized model and its optimizer step, at every opt level.
+
+At O7 only the model is compiled: its transient update swaps fresh float32 copies into the
+optimizer's param_groups every step (so a compiled ``torch.optim`` step recompiles every step
+until Dynamo's recompile limit) and its stochastic rounding draws from an explicit generator
+(``Tensor.random_(generator=...)``, a graph break); the step stays eager, as the README says.
+
+Compiles are expensive here (tens of seconds each with inductor), so the per-level cases
+use the ``aot_eager`` backend: it traces the forward with Dynamo (``fullgraph=True``, so
+any graph break fails) and the backward with AOTAutograd, which is where ampkit's code
+could break a graph; one case runs the whole documented pattern through inductor.
+"""
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import ampkit
+from ampkit import float8
+
+STEPS = 50
+# Loss-curve tolerance per level: the compiled graph may reorder or fuse half arithmetic.
+TOL = {"O0": 1e-5, "O1": 5e-3, "O2": 5e-3, "O3": 5e-3, "O4": 3e-2, "O5": 3e-2, "O6": 3e-2, "O7": 3e-2}
+# Final weights: AdamW moves a weight whose gradient is near zero by about lr whatever its sign,
+# so one half-precision rounding difference can move a single weight by a step or two; fp8's
+# 3-bit mantissa at O6 moves one weight of 512 by up to 0.06 (aot_eager) or 0.10 (inductor).
+STATE_ATOL = {"O0": 1e-5, "O1": 2e-2, "O2": 2e-2, "O3": 2e-2, "O4": 5e-2, "O5": 5e-2, "O6": 2e-1, "O7": 5e-2}
+INF_STEP = 20  # a batch with an inf: every level must skip this step, compiled or not
+EAGER_STEP = {"O7"}  # levels whose documented pattern compiles only the model (module docstring)
+
+
+class Net(nn.Module):
+    """Takes a dict batch (the input-casting path for mappings) and has BatchNorm and LayerNorm;
+    ``fc1`` is the one layer that O6 runs in fp8 (16 and 32 features; ``fc2`` is the head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32, bias=False)  # a bias before BatchNorm gets only noise
+        self.bn = nn.BatchNorm1d(32)
+        self.ln = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, batch):
+        return self.fc2(self.ln(torch.relu(self.bn(self.fc1(batch["x"])))))
+
+
+def _batches(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    out = [({"x": torch.randn(16, 16, generator=g).to(device)}, torch.randn(16, 4, generator=g).to(device))
+           for _ in range(4)]
+    bad = {"x": out[0][0]["x"].clone()}
+    bad["x"][0, 0] = float("inf")
+    return out, (bad, out[0][1])
+
+
+def _snapshot(model, opt):
+    """What a skipped step must leave as it was: weights, optimizer state, rounding generators."""
+    rounder = opt._ampkit.run.rounding
+    weights = list(model.parameters()) + [p for g in opt.param_groups for p in g["params"]]  # masters too
+    return ([p.detach().clone() for p in weights],
+            [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)],
+            [g.get_state() for g in rounder.generators.values()] if rounder is not None else [])
+
+
+def _train(level, backend=None, device="cpu"):
+    """Losses, skipped steps and final fp32 state of STEPS steps of the documented loop; the
+    skipped step is checked to leave weights, optimizer state and rounding generators as they were."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)  # 1e-8 is 0 in fp16 (O3 steps on it)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    forward, step = model, opt.step
+    if backend is not None:
+        forward = torch.compile(model, fullgraph=True, backend=backend)
+    if backend is not None and level not in EAGER_STEP:
+        @torch.compile(backend=backend)
+        def step():
+            opt.step()
+
+    batches, bad = _batches(device)
+    losses = []
+    for i in range(STEPS):
+        x, y = bad if i == INF_STEP else batches[i % len(batches)]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(forward(x), y)
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        before = _snapshot(model, opt) if i == INF_STEP else None
+        step()
+        if before is not None:
+            for a, b in zip(before, _snapshot(model, opt)):
+                assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        losses.append(loss.item())
+    breaks = dict(counters["graph_break"])
+    skipped = opt._ampkit.run.scalers[0].skipped_steps
+    return torch.tensor(losses), skipped, {k: v.cpu() for k, v in model.state_dict().items()}, breaks
+
+
+def _only_torch_optim_breaks(breaks):
+    """torch.optim's step breaks its graph on purpose (``torch._dynamo.graph_break()`` around
+    the update, so that AOTAutograd sees an inference graph); anything else is a failure."""
+    return all(reason.startswith("Call to `torch._dynamo.graph_break()`") for reason in breaks)
+
+
+NEEDS_TORCHAO = pytest.mark.skipif(not float8.available(), reason="O6 needs torchao (pip install -e '.[fp8]')")
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5", pytest.param("O6", marks=NEEDS_TORCHAO), "O7"])
+def test_compiled_model_and_step_match_eager(level):
+    assert float8.eligible(Net()) == ["fc1"]  # O6 runs one fp8 layer
+    eager, eager_skipped, eager_state, _ = _train(level)
+    compiled, skipped, state, breaks = _train(level, backend="aot_eager")
+    assert _only_torch_optim_breaks(breaks), breaks
+    assert skipped == eager_skipped >= 1
+    assert not torch.isfinite(compiled[INF_STEP]) and not torch.isfinite(eager[INF_STEP])
+    finite = torch.isfinite(eager)
+    torch.testing.assert_close(compiled[finite], eager[finite], rtol=TOL[level], atol=TOL[level])
+    assert eager[finite][-5:].mean() < eager[0]  # it trained
+    for key, value in eager_state.items():
+        assert state[key].dtype == value.dtype == (torch.int64 if "num_batches" in key else torch.float32)
+        # BatchNorm's running statistics took the inf batch in both runs (forward statistics are not skipped).
+        torch.testing.assert_close(state[key], value, rtol=TOL[level], atol=STATE_ATOL[level], equal_nan=True)
+
+
+def test_forward_has_no_graph_break_with_kwargs_and_nested_inputs():
+    torch._dynamo.reset()
+
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, extra=None, pair=()):
+            return {"out": self.fc(x) + extra["b"] + pair[0], "n": pair[1]}
+
+    model = ampkit.initialize(Kw(), opt_level="O5", verbosity=0)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x, b, p = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    out = compiled(x, extra={"b": b}, pair=(p, 3))
+    ref = model(x, extra={"b": b}, pair=(p, 3))
+    assert out["out"].dtype == torch.float32 and out["n"] == 3
+    assert torch.equal(out["out"], ref["out"])
+
+
+@pytest.mark.parametrize("level, device", [
+    ("O5", "cpu"),
+    pytest.param("O6", "cpu", marks=NEEDS_TORCHAO),
+    ("O7", "cpu"),
+    pytest.param("O2", "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+    pytest.param("O5", "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+])
+def test_documented_pattern_through_inductor(level, device):
+    """The README's compiled training step (compiled model, eager scale_loss, compiled step; at O7
+    an eager step) through the real compiler: inductor's fused kernels round half precision differently, within tolerance."""
+    eager, eager_skipped, eager_state, _ = _train(level, device=device)
+    compiled, skipped, state, breaks = _train(level, backend="inductor", device=device)
+    assert _only_torch_optim_breaks(breaks), breaks
+    assert skipped == eager_skipped >= 1
+    finite = torch.isfinite(eager)
+    assert torch.equal(finite, torch.isfinite(compiled))
+    torch.testing.assert_close(compiled[finite], eager[finite], rtol=TOL[level], atol=TOL[level])
+    for key, value in eager_state.items():
+        assert state[key].dtype == value.dtype
+        torch.testing.assert_close(state[key], value, rtol=TOL[level], atol=STATE_ATOL[level], equal_nan=True)

@@ -1,0 +1,96 @@
+"""The demo's sizing to the machine (probe -> plan) and what it says about half precision."""
+import importlib
+import json
+
+import pytest
+
+import ampkit
+from ampkit.apps import demo
+
+caps_module = importlib.import_module("ampkit.install.hardware")
+
+
+def _times(first, step, levels=("O0", "O2", "O5", "O6")):
+    return {f"{m} {lvl}": [first, step] for m in demo.MODELS for lvl in levels}
+
+
+def _spent(times, steps, scale):
+    """Seconds of training the plan expects for every model at every level."""
+    k = scale / demo.PROBE_SCALE
+    runs = [times[f"{m} {demo._probe_level(lvl)}"] for m in demo.MODELS for lvl in demo.LEVELS]
+    return sum(demo.RUN_OVERHEAD_S + first * max(k, 1.0) + (steps - 1) * step * k for first, step in runs)
+
+
+def test_plan_uses_full_size_on_a_fast_machine():
+    assert demo.plan(_times(0.01, 0.001), demo.MODELS, demo.LEVELS) == (demo.MAX_STEPS, 1.0)
+
+
+def test_plan_shrinks_steps_then_batch_to_fit_the_budget():
+    steps, scale = demo.plan(_times(0.2, 0.02), demo.MODELS, demo.LEVELS)
+    assert demo.MIN_STEPS <= steps <= demo.MAX_STEPS and _spent(_times(0.2, 0.02), steps, scale) <= demo.BUDGET_S
+    assert scale < 1.0 or steps < demo.MAX_STEPS
+    # a machine ten times slower gets a smaller batch, never fewer than MIN_STEPS while one fits
+    slow_steps, slow_scale = demo.plan(_times(0.2, 0.2), demo.MODELS, demo.LEVELS)
+    assert slow_scale < scale and slow_steps >= demo.MIN_STEPS
+
+
+def test_plan_on_a_hopeless_machine_runs_a_few_steps_at_the_smallest_batch():
+    assert demo.plan(_times(5.0, 5.0), demo.MODELS, demo.LEVELS) == (3, demo.SCALES[-1])
+
+
+def test_each_level_is_probed_by_its_compute_dtype():
+    assert {lvl: demo._probe_level(lvl) for lvl in demo.LEVELS} == {
+        "O0": "O0", "O1": "O2", "O2": "O2", "O3": "O2", "O4": "O5", "O5": "O5", "O6": "O6", "O7": "O5"}
+
+
+def test_a_slow_fp8_probe_gives_fewer_steps():
+    times = _times(0.2, 0.02)
+    steps, scale = demo.plan(times, demo.MODELS, demo.LEVELS)
+    times.update({f"{m} O6": [1.0, 0.1] for m in demo.MODELS})  # fp8 emulated: 5x bf16
+    slow_steps, slow_scale = demo.plan(times, demo.MODELS, demo.LEVELS)
+    assert slow_steps * slow_scale < steps * scale and _spent(times, slow_steps, slow_scale) <= demo.BUDGET_S
+
+
+def test_a_slow_start_and_probe_leave_less_time_for_training():
+    assert demo.run_budget(5.0) == demo.BUDGET_S
+    assert demo.run_budget(demo.DEADLINE_S - 12.0) == 12.0
+    times = _times(0.2, 0.02)
+    steps, scale = demo.plan(times, demo.MODELS, demo.LEVELS, demo.run_budget(5.0))
+    late_steps, late_scale = demo.plan(times, demo.MODELS, demo.LEVELS, demo.run_budget(demo.DEADLINE_S - 12.0))
+    assert late_steps * late_scale < steps * scale and _spent(times, late_steps, late_scale) <= 12.0
+
+
+def _caps(monkeypatch, flags):
+    monkeypatch.setattr(caps_module, "_cpu_info", lambda: ("Test CPU", frozenset(flags)))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    return ampkit.capabilities("cpu")
+
+
+def test_describe_says_plainly_when_half_only_saves_memory(monkeypatch):
+    text = "\n".join(demo.describe(_caps(monkeypatch, {"avx2"})))
+    assert "Test CPU" in text and "only saves memory" in text and "slower than O0" in text
+    text = "\n".join(demo.describe(_caps(monkeypatch, {"avx512_bf16"})))
+    assert "O4/O5/O7: speed and memory" in text and "O1/O2/O3 only save memory" in text
+    text = "\n".join(demo.describe(_caps(monkeypatch, {"amx_bf16", "amx_fp16"})))
+    assert "only save" not in text and "O1/O2/O3/O4/O5/O7: speed and memory" in text
+
+
+def test_default_demo_probes_then_runs(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    rows = demo.main(levels=("O0", "O5"), models=("cnn",), device="cpu", json_path=str(path))
+    out = capsys.readouterr().out
+    assert out.index("This machine:") < out.index("Speed probe") < out.index("final loss")
+    data = json.loads(path.read_text())
+    assert set(data["probe"]) == {"cnn O0", "cnn O5"} and all(f > 0 and s > 0 for f, s in data["probe"].values())
+    assert 3 <= data["steps"] <= demo.MAX_STEPS and data["batch_scale"] in demo.SCALES
+    assert data["capabilities"]["device"] == "cpu"
+    assert [r["batch"] for r in rows] == [demo._size("cnn", data["batch_scale"])] * 2
+    assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=0.02)
+
+
+def test_lm_shape_shrinks_sequences_after_the_batch():
+    assert (demo._lm_shape(1.0).batch, demo._lm_shape(1.0).seq_len) == (16, 64)
+    assert (demo._lm_shape(1 / 8).batch, demo._lm_shape(1 / 8).seq_len) == (2, 64)
+    assert (demo._lm_shape(1 / 32).batch, demo._lm_shape(1 / 32).seq_len) == (2, 16)
+    assert demo._size("lm", 1 / 16) == "2x32 tokens" and demo._size("cnn", 1 / 16) == "2 images"
