@@ -47,11 +47,22 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     if delay_unscale:
         OptimizerState.hold_scaled(states, scaler)
         return
+    if not any(st.received_gradients() for st in states):
+        OptimizerState.hold_scaled(states, scaler)
+        raise RuntimeError(_unreached(states, scale))
     check = OverflowCheck(run, scaler, states)
     for st in states:
         st.unscale(check, 1.0 / scale)
     if not delay_overflow_check:
         check.resolve()
+
+
+def _unreached(states, scale) -> str:
+    names = " and ".join(f"{type(st.optimizer).__name__} ({len(st.step_params())} parameters)" for st in states)
+    return (f"scale_loss(loss, optimizers=...): the backward inside the block reached none of the parameters of "
+            f"{names}: the loss does not depend on this optimizer's model (another experiment's optimizer?), or "
+            f"scaled_loss.backward() was not called in the block. Gradients it wrote elsewhere carry the loss "
+            f"scale {scale:g}; zero them (optimizer.zero_grad() of their optimizer) before stepping.")
 
 
 def _check_args(run, loss, loss_id, delay_unscale, delay_overflow_check) -> int:

@@ -19,6 +19,7 @@ import torch
 from ..core.levels import HALF_DTYPES
 from ..core.scaler import copy_unscale_and_check_, unscale_and_check_
 from .overflow import OverflowCheck
+from .step_hooks import hooks_set_aside, run_post_hooks, run_pre_hooks, unhooked_step
 
 
 def _by_device(tensors):
@@ -90,7 +91,9 @@ class OptimizerState:
         self.unstepped: List = []  # resolved overflow checks no step() has consumed yet
         self.last_step_skipped = False  # ampkit.step_was_skipped(optimizer)
         self.keep_grads = False  # zero_grad(set_to_none=False) was used: master grads persist
-        self._step = optimizer.step
+        unhooked = unhooked_step(optimizer)
+        self.runs_hooks = unhooked is not None  # torch's step hooks run around the whole step (step_hooks.py)
+        self._step = unhooked or optimizer.step
         self._zero_grad = optimizer.zero_grad
         self._add_param_group = optimizer.add_param_group
 
@@ -106,7 +109,7 @@ class OptimizerState:
             # torch.amp.GradScaler.step then hands its scale to step() (see _step), instead of
             # failing on "No inf checks were recorded" against the masters' empty gradients.
             opt._step_supports_amp_scaling = True
-        opt.step = _wrapped_step(opt, self._step)
+        opt.step = _wrapped_step(opt, opt.step)
         opt.zero_grad = types.MethodType(_zero_grad, opt)
         opt.add_param_group = types.MethodType(_add_param_group, opt)
 
@@ -231,6 +234,11 @@ class OptimizerState:
         self.pending.append(check)
         self.window = [self]
         self.stage = Stage.UNSCALED
+
+    def received_gradients(self) -> bool:
+        """Whether a gradient reached this optimizer's parameters since ``begin_backward``."""
+        return (any(p.grad is not None for p in self.masters)
+                or any(p.grad is not None for p in self.step_params() if p not in self.owner))
 
     def record(self, check: OverflowCheck, overflow: bool) -> None:
         """``check`` was resolved: kept until a step consumes it; an overflow skips the next step."""
@@ -380,8 +388,15 @@ class OptimizerState:
             self.skip = None
             self.clear_grads(set_to_none=not self.keep_grads)
             return None
-        result = self._step()
+        if self.runs_hooks:
+            run_pre_hooks(self.optimizer)
+            with hooks_set_aside(self.optimizer):
+                result = self._step()
+        else:
+            result = self._step()
         self.copy_masters_to_model()
+        if self.runs_hooks:
+            run_post_hooks(self.optimizer)
         if not self.keep_grads:
             for m in self.owner:
                 m.grad = None

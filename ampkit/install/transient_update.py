@@ -14,7 +14,10 @@ same way. Float32 parameters (BatchNorm kept fp32) are stepped as they are.
 
 The optimizer must update each parameter from its own gradient and state (every
 ``torch.optim`` optimizer but LBFGS does): it is called once per chunk, seeing only that
-chunk's gradients.
+chunk's gradients, without torch's step hooks (ampkit runs those once around the whole
+step). Each chunk's call starts from the param groups' settings as the step found them, and
+the settings a call changed (a custom optimizer's step counter in its groups) are kept once,
+so the optimizer sees one step per training step at any model size.
 """
 import types
 from typing import Callable, List, Optional
@@ -73,13 +76,17 @@ class TransientUpdate:
         grads = {p: p.grad for _, _, p in slots}
         for p in grads:
             p.grad = None  # each chunk's step sees only its own gradients
-        result = None
+        result, before, after = None, _group_settings(opt), {}
         try:
-            for chunk in chunks(slots, CHUNK_ELEMENTS):
+            for k, chunk in enumerate(chunks(slots, CHUNK_ELEMENTS)):
+                if k:  # every chunk starts from the groups as the step found them
+                    _restore_group_settings(opt, before)
                 result = self._step_chunk(chunk, grads)
+                after.update(_changed_settings(opt, before))
         finally:
             for p, g in grads.items():
                 p.grad = g
+        _restore_group_settings(opt, {**before, **after})  # one step's worth of group counters
         return result
 
     def _step_chunk(self, chunk, grads):
@@ -164,6 +171,34 @@ class TransientUpdate:
                 if state is not None:
                     opt.state[p] = state
             self._narrow([(opt.state[p], p) for p in real.values() if p in opt.state], _copy_into)  # exact, no draws
+
+
+def _group_settings(opt) -> dict:
+    """``(group index, key) -> value`` of every param group entry but ``params``."""
+    return {(i, k): v for i, g in enumerate(opt.param_groups) for k, v in g.items() if k != "params"}
+
+
+def _changed_settings(opt, before: dict) -> dict:
+    now = _group_settings(opt)
+    return {key: v for key, v in now.items() if key not in before or not _same(v, before[key])}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return a is b or (torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a, b)))
+    try:
+        return bool(a == b)
+    except Exception:  # an entry whose == is not a truth value: compare identities
+        return a is b
+
+
+def _restore_group_settings(opt, settings: dict) -> None:
+    """Make every param group's entries but ``params`` exactly ``settings``."""
+    for i, g in enumerate(opt.param_groups):
+        for k in [k for k in g if k != "params" and (i, k) not in settings]:
+            del g[k]
+    for (i, k), v in settings.items():
+        opt.param_groups[i][k] = v
 
 
 def _load_state_dict(optimizer, state_dict: dict) -> None:

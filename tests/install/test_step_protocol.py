@@ -62,10 +62,24 @@ def test_step_inside_the_block_is_refused_naming_the_call():
 
 def test_nested_blocks_on_one_optimizer_are_refused():
     model, opt = build("O1")
-    with ampkit.scale_loss(loss_of(model), opt):
+    with ampkit.scale_loss(loss_of(model), opt) as scaled:
         with pytest.raises(RuntimeError, match="already inside an enclosing `with ampkit.scale_loss"):
             with ampkit.scale_loss(loss_of(model), opt):
                 pass
+        scaled.backward()
+    assert opt._ampkit.stage is Stage.UNSCALED
+
+
+def test_a_loss_that_reaches_none_of_the_optimizers_parameters_is_refused():
+    model, opt = build("O2")
+    other, other_opt = build("O2")  # another experiment in the same notebook
+    with pytest.raises(RuntimeError, match=r"reached none of the parameters of SGD \(4 parameters\).*loss scale 65536"):
+        with ampkit.scale_loss(loss_of(model), other_opt) as scaled:
+            scaled.backward()
+    assert all(p.grad is not None for p in model.parameters())  # the real model's scaled gradients
+    with pytest.raises(RuntimeError, match="scaled_loss.backward\(\) was not called"):
+        with ampkit.scale_loss(loss_of(other), other_opt):
+            pass
 
 
 def test_another_losses_window_must_close_first():
