@@ -44,6 +44,17 @@ class CheckpointError(RuntimeError):
 
 # --- the run an optimizer belongs to ---------------------------------------------------
 
+def _check_kinds(caller: str, model, optimizer) -> None:
+    """``(path, model, optimizer)``: each argument of the kind it names."""
+    swapped = " (the arguments are path, model, optimizer: swapped?)"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ampkit.checkpoint.{caller}(model=...): expected an nn.Module, got a {type(model).__name__}"
+                        f"{swapped if hasattr(model, 'param_groups') else ''}.")
+    if not hasattr(optimizer, "param_groups") or isinstance(optimizer, nn.Module):
+        raise TypeError(f"ampkit.checkpoint.{caller}(optimizer=...): expected an optimizer returned by ampkit.initialize, "
+                        f"got a {type(optimizer).__name__}{swapped if isinstance(optimizer, nn.Module) else ''}.")
+
+
 def _scalers(optimizer, caller: str):
     state = getattr(optimizer, "_ampkit", None)
     if state is None:
@@ -144,6 +155,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
     """
     if extra is not None and type(extra) is not dict:
         raise TypeError(f"ampkit.checkpoint.save(extra=...): expected a dict or None, got {type(extra).__name__}.")
+    _check_kinds("save", model, optimizer)
     _check_extra(extra, "extra")
     _refuse_sharded(model, "save")
     scalers = _scalers(optimizer, "save")
@@ -152,6 +164,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
         "optimizer": optimizer.state_dict(),
         "amp": {f"loss_scaler{i}": dict(s.state_dict()) for i, s in enumerate(scalers)},
         "extra": {} if extra is None else extra,
+        "optimizer_class": _class_name(optimizer),
     }
     if _rounding(optimizer) is not None:
         payload["amp"][ROUNDING] = _rounding(optimizer).state_dict()
@@ -204,7 +217,7 @@ def _read(path) -> dict:
     missing = [k for k in ("sha256", "model", "optimizer", "amp", "extra") if k not in blob]
     if missing:
         raise CheckpointError(f"{where}: the checkpoint lacks {missing}; the file is corrupted.")
-    payload = {k: blob[k] for k in ("model", "optimizer", "amp", "extra")}
+    payload = {k: blob[k] for k in ("model", "optimizer", "amp", "extra", "optimizer_class") if k in blob}
     if _digest(payload) != blob["sha256"]:
         raise CheckpointError(f"{where}: SHA-256 mismatch: the file's contents are corrupted (or were edited after saving).")
     return payload
@@ -232,9 +245,27 @@ def _check_model(where, model: nn.Module, sd) -> None:
                 raise CheckpointError(f"{where}: model[{k!r}] is {value.dtype}, the model holds {mine.dtype}.")
 
 
-def _check_optimizer(where, optimizer, osd) -> None:
+def _class_name(optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _check_optimizer_class(where, optimizer, saved_class, osd) -> None:
+    """Refuse state written by another optimizer class (its hyper-parameters would replace these)."""
+    mine = _class_name(optimizer)
+    if saved_class is not None and saved_class != mine:
+        raise CheckpointError(f"{where}: the checkpoint's optimizer state was written by {saved_class}; this optimizer "
+                              f"is {mine}. Create the optimizer the run was saved with, then load.")
+    saved_keys = sorted({k for g in osd["param_groups"] if isinstance(g, dict) for k in g} - {"params"})
+    my_keys = sorted({k for g in optimizer.param_groups for k in g} - {"params"})
+    if saved_class is None and saved_keys != my_keys:
+        raise CheckpointError(f"{where}: the checkpoint's optimizer state has the hyper-parameters {saved_keys}; this "
+                              f"{mine} has {my_keys}: it was written by another optimizer class.")
+
+
+def _check_optimizer(where, optimizer, osd, saved_class=None) -> None:
     if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or not isinstance(osd.get("param_groups"), list):
         raise CheckpointError(f"{where}: 'optimizer' is not an optimizer state dict (needs 'state' and 'param_groups').")
+    _check_optimizer_class(where, optimizer, saved_class, osd)
     groups = optimizer.param_groups
     if len(osd["param_groups"]) != len(groups):
         raise CheckpointError(f"{where}: the optimizer state has {len(osd['param_groups'])} param group(s), the optimizer {len(groups)}.")
@@ -286,11 +317,12 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     Everything is read and checked before anything is changed; on any error nothing is.
     """
     where = f"ampkit.checkpoint.load({os.fspath(path)!r})"
+    _check_kinds("load", model, optimizer)
     _refuse_sharded(model, "load")
     scalers = _scalers(optimizer, "load")
     payload = _read(path)
     _check_model(where, model, payload["model"])
-    _check_optimizer(where, optimizer, payload["optimizer"])
+    _check_optimizer(where, optimizer, payload["optimizer"], payload.get("optimizer_class"))
     _check_amp(where, scalers, payload["amp"])
 
     undo_model = {k: v.detach().clone() for k, v in model.state_dict().items()}

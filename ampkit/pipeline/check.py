@@ -21,6 +21,22 @@ def check(plan: Plan) -> None:
     health.check_finite_weights(models)
     if plan.props.cast_model_type in HALF_DTYPES:
         check_sparse_embeddings(models, plan.props.cast_model_type)
+    if plan.props.update_rounding:
+        check_no_sparse_gradients(models, plan.props)
+
+
+def check_no_sparse_gradients(models, props) -> None:
+    """The transient fp32 update (update_rounding, O7) steps dense copies: no sparse gradients."""
+    for i, model in enumerate(models):
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                where = (name or type(module).__name__) if len(models) == 1 else f"models[{i}].{name}"
+                raise ValueError(
+                    f"initialize(models=...): {where}.weight has sparse gradients (sparse=True), which "
+                    f"update_rounding={props.update_rounding!r} ({props.opt_level}) cannot apply: it steps dense fp32 "
+                    f"copies of the half weights. Use sparse=False, or O5 (fp32 masters), which trains sparse "
+                    f"embeddings."
+                )
 
 
 def check_models(models) -> None:

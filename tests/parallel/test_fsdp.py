@@ -376,3 +376,20 @@ def test_full_state_dict_exports_float32_on_rank_0_for_a_plain_model(two_ranks):
         plain.load_state_dict(export)
         for p, m in zip(plain.parameters(), rank["O5/uninterrupted"]["masters"]):
             assert torch.equal(p, m)
+
+
+def test_o7_with_fsdp_is_refused_before_anything_changes():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=r"initialize\(fsdp=True\): update_rounding='stochastic' \(O7\) is not available with FSDP2"):
+            ampkit.initialize(model, opt, opt_level="O7", fsdp=True, verbosity=0)
+        assert not hasattr(model, "_ampkit") and not hasattr(opt, "_ampkit")
+        assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+    finally:
+        dist.destroy_process_group()

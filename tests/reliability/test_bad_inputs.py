@@ -138,7 +138,7 @@ def two_sessions():
 
 def with_checkpoint(kind):
     def setup():
-        src = init("O2", num_losses=2) if kind == "two-losses" else None
+        src = init("O2", num_losses=2) if kind == "two-losses" else init("O2", "adamw") if kind == "adamw" else None
         e = init("O2", num_losses=1)
         e.tmp = Path(tempfile.mkdtemp())
         path = e.tmp / "c.ckpt"
@@ -317,6 +317,9 @@ TABLE = [
     Row("models", "nn.Embedding(sparse=True) at O2 (float16 on CPU)", sparse_embedding,
         lambda e: ampkit.initialize(e.others[0], torch.optim.SGD(e.others[0].parameters(), lr=0.1), opt_level="O2"),
         ValueError, "0.weight has sparse gradients (sparse=True), and PyTorch cannot add sparse torch.float16 gradients on cpu"),
+    Row("models", "nn.Embedding(sparse=True) at O7", sparse_embedding,
+        lambda e: ampkit.initialize(e.others[0], torch.optim.SGD(e.others[0].parameters(), lr=0.1), opt_level="O7"),
+        ValueError, "0.weight has sparse gradients (sparse=True), which update_rounding='stochastic' (O7) cannot apply"),
     Row("models", "a model on the meta device", on_meta, initialize(opt_level="O1"),
         RuntimeError, "fc1.weight is on the meta device; materialize the model first"),
     Row("models", "model already initialized (second initialize)", init, initialize(opt_level="O2"),
@@ -404,6 +407,10 @@ TABLE = [
     Row("state", "consecutive_overflows='x' in loss_scaler1", lambda: init("O2", num_losses=2, loss_scale_hysteresis=2),
         amp_load({"loss_scaler0": _scaler(), "loss_scaler1": _scaler(consecutive_overflows="x")}), ValueError,
         "loss_scaler1['consecutive_overflows']='x'", where="ampkit.load_state_dict"),
+    Row("optimizer", "model and optimizer swapped", with_checkpoint("plain"),
+        lambda e: checkpoint.save(e.tmp / "c.pt", e.opt, e.model), TypeError,
+        "ampkit.checkpoint.save(model=...): expected an nn.Module, got a SGD (the arguments are path, model, optimizer: swapped?)",
+        where="ampkit.checkpoint.save"),
     Row("state_dict", "missing key fc2.bias", lambda: init("O2"), model_load(lambda sd: sd.pop("fc2.bias")),
         RuntimeError, 'Missing key(s) in state_dict: "fc2.bias"', where="model.load_state_dict"),
     Row("state_dict", "extra key", lambda: init("O2"), model_load(lambda sd: sd.update(extra=torch.zeros(1))),
@@ -425,6 +432,10 @@ TABLE = [
     Row("path", "a plain torch.save(model.state_dict())", with_checkpoint("plain"),
         lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
         "not an ampkit checkpoint", where="ampkit.checkpoint.load"),
+    Row("path", "a checkpoint written with AdamW, loaded into SGD", with_checkpoint("adamw"),
+        lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
+        "optimizer state was written by torch.optim.adamw.AdamW; this optimizer is torch.optim.sgd.SGD",
+        where="ampkit.checkpoint.load"),
     Row("path", "a checkpoint of num_losses=2", with_checkpoint("two-losses"),
         lambda e: checkpoint.load(e.tmp / "c.ckpt", e.model, e.opt), CheckpointError,
         "initialize was called with num_losses=1", where="ampkit.checkpoint.load"),
