@@ -1,7 +1,7 @@
 """Apex's ``amp._amp_state``, as far as it can be honestly provided, and clear errors for
 the parts of Apex's amp that ampkit does not have (the pre-``initialize`` handle API).
 
-``_amp_state.loss_scalers[i]`` and ``_amp_state.opt_properties`` are read-only views of the
+``_amp_state.loss_scalers[i]`` and ``_amp_state.opt_properties`` are views of the
 current run (the latest ``ampkit.initialize`` with optimizers); the loss scale is changed through
 ``ampkit.load_state_dict`` (or Apex's ``amp.load_state_dict``), never by assignment.
 """
@@ -9,6 +9,7 @@ import warnings
 
 from ..core import registry
 from ..core.errors import NoEffectWarning
+from ..core.scaler import LossScaler
 
 __all__ = ["_amp_state", "removed_attribute"]
 
@@ -73,9 +74,15 @@ class LossScalerView:
         return self._scaler.growth_interval
 
     def __setattr__(self, name, value):
+        if name == "_loss_scale":  # Apex's tests and some scripts set the scale this way
+            where = f"amp._amp_state.loss_scalers[{self._index}]"
+            state = dict(self._scaler.state_dict(), loss_scale=value)
+            LossScaler.check_state(where, state)  # the same validation as a loaded scale
+            self._scaler.load_state_dict(state)
+            return
         raise AttributeError(
             f"amp._amp_state.loss_scalers[{self._index}].{name} is read-only in ampkit; to set the loss "
-            f"scale use {_SET_SCALE}."
+            f"scale assign _loss_scale or use {_SET_SCALE}."
         )
 
     def __getattr__(self, name):

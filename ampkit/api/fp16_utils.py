@@ -373,6 +373,12 @@ class FP16_Optimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict` output; the masters (and the model) get the saved fp32 values."""
+        keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
+                "optimizer_state_dict", "fp32_from_fp16")
+        missing = [k for k in keys if not isinstance(state_dict, dict) or k not in state_dict]
+        if missing:
+            raise ValueError(f"FP16_Optimizer.load_state_dict(state_dict): expected the dict FP16_Optimizer.state_dict() "
+                             f"returns, with the keys {list(keys)}; missing {missing}.")
         mine = self.fp32_from_fp16_groups
         saved = state_dict["fp32_from_fp16"]
         if [len(g) for g in saved] != [len(g) for g in mine] or any(

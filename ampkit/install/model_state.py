@@ -187,6 +187,8 @@ class AmpModule:
             )
         if strict and isinstance(state_dict, Mapping):
             _check_loadable(self, state_dict)
+        if isinstance(state_dict, Mapping):
+            _check_finite(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _apply(self, fn, recurse=True):
@@ -296,6 +298,18 @@ def _load_errors(model: nn.Module, state_dict: Mapping) -> list:
     if missing:
         errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
     return errors
+
+
+def _check_finite(model: nn.Module, state_dict: Mapping) -> None:
+    """Refuse parameters holding inf/NaN, as ``initialize`` does, before anything is copied."""
+    for name, _ in model.named_parameters():
+        value = state_dict.get(name)
+        if torch.is_tensor(value) and value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"{type(model).__name__}.load_state_dict: {name} holds inf/NaN values; ampkit.initialize refuses such "
+                f"weights (training would only spread them), and so does loading them into an initialized model. "
+                f"Nothing was loaded; check the checkpoint."
+            )
 
 
 def _check_loadable(model: nn.Module, state_dict: Mapping) -> None:

@@ -11,6 +11,7 @@ left scaled: ``delay_unscale``), ``unscale`` (scaled gradients made clean and ch
 """
 import enum
 import functools
+import inspect
 import types
 from typing import Dict, List, Optional
 
@@ -95,6 +96,7 @@ class OptimizerState:
         self.runs_hooks = unhooked is not None  # torch's step hooks run around the whole step (step_hooks.py)
         self._step = unhooked or optimizer.step
         self._zero_grad = optimizer.zero_grad
+        self._zero_grad_takes_set_to_none = _takes(optimizer.zero_grad, "set_to_none")
         self._add_param_group = optimizer.add_param_group
 
     # -- setup -------------------------------------------------------------------------
@@ -357,7 +359,10 @@ class OptimizerState:
         self.pending = []
         self.skip = None
         self.window = [self]
-        self._zero_grad(set_to_none=set_to_none)
+        if self._zero_grad_takes_set_to_none:
+            self._zero_grad(set_to_none=set_to_none)
+        else:  # a wrapper whose zero_grad() takes no argument (Apex's LARC, vendored in many repositories)
+            self._zero_grad()
         for p in self.masters:
             if p.grad is not None:
                 if set_to_none:
@@ -408,6 +413,14 @@ class OptimizerState:
         if self.masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def check_devices(params, use_masters: bool) -> None:

@@ -33,9 +33,13 @@ def test_loss_scalers_reflect_the_run():
     ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler1": {"loss_scale": 2.0, "unskipped": 0}})
     assert (state.loss_scalers[0]._loss_scale, state.loss_scalers[0]._unskipped) == (8.0, 3)
     assert state.loss_scalers[0].loss_scale() == ampkit.state_dict()["loss_scaler0"]["loss_scale"]
-    with pytest.raises(AttributeError, match="read-only.*ampkit.load_state_dict"):
-        scalers[0]._loss_scale = 2.0**10
-    assert scalers[0].loss_scale() == 8.0
+    scalers[0]._loss_scale = 2.0**10  # as Apex's own tests set it: through the load validation
+    assert scalers[0].loss_scale() == 2.0**10 and ampkit.state_dict()["loss_scaler0"] == {"loss_scale": 1024.0, "unskipped": 3}
+    with pytest.raises(ValueError, match=r"amp._amp_state.loss_scalers\[0\]\['loss_scale'\]=-1.0: expected a positive"):
+        scalers[0]._loss_scale = -1.0
+    assert scalers[0].loss_scale() == 2.0**10
+    with pytest.raises(AttributeError, match="read-only.*assign _loss_scale or use ampkit.load_state_dict"):
+        scalers[0]._unskipped = 5
     with pytest.raises(AttributeError, match="scale_loss"):
         scalers[0].update_scale()
     assert state.min_loss_scale == 4.0 and state.max_loss_scale == 2.0**24 and state.verbosity == 0

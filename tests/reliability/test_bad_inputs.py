@@ -240,6 +240,12 @@ class Row:
         return f"{self.where}:{self.argument}={self.value}"
 
 
+def step_inside_block(e):
+    with ampkit.scale_loss(mse(e), e.opt) as s:
+        s.backward()
+        e.opt.step()
+
+
 def I(argument, value, exc, message, setup=raw, call=None, **kw):  # noqa: E743 - a row of initialize()
     return Row(argument, value, setup, call or initialize(**{argument: eval(value)}), exc, message, **kw)
 
@@ -289,6 +295,9 @@ TABLE = [
     I("max_loss_scale", "1e39", ValueError, "initialize(max_loss_scale=1e+39): expected a positive finite number that float32 holds"),
     I("loss_scale_hysteresis", "0", ValueError, "initialize(loss_scale_hysteresis=0)"),
     I("enabled", "'yes'", TypeError, "initialize(enabled='yes')"),
+    I("enabled", "'O2' (initialize(model, optimizer, 'O2'))", TypeError,
+      "the third positional argument is `enabled`; pass the level as opt_level='O2'",
+      call=lambda e: ampkit.initialize(e.model, e.opt, "O2")),
     I("ddp", "'yes'", TypeError, "initialize(ddp='yes')"),
     I("ddp", "True", RuntimeError, "initialize(ddp=True): the default process group is not initialized"),
     I("ddp_kwargs", "[]", TypeError, "initialize(ddp_kwargs=[])"),
@@ -358,6 +367,14 @@ TABLE = [
         "the optimizers come from different ampkit.initialize calls", where="scale_loss"),
     Row("loss_id", "1 while loss 0's delay_unscale window is open", open_window,
         lambda e: ampkit.scale_loss(mse(e), e.opt, loss_id=1).__enter__(), RuntimeError, "still holds gradients scaled by another loss's scaler", where="scale_loss"),
+    Row("optimizers", "one the loss does not reach (another run's)", two_sessions,
+        lambda e: scaled_step(mse)(Env(e.model, e.o2, e.x, e.y)), RuntimeError,
+        "the backward inside the block reached none of the parameters of SGD (4 parameters)",
+        changes={"model.grads"}, where="scale_loss"),
+    Row("delay_unscale", "'yes'", lambda: init("O2"), scaled_step(mse, delay_unscale="yes"), TypeError,
+        "scale_loss(delay_unscale='yes'): expected True or False", where="scale_loss"),
+    Row("optimizer.step()", "inside the scale_loss block", lambda: init("O2"), step_inside_block, RuntimeError,
+        "SGD.step() was called inside `with ampkit.scale_loss(...)`", changes={"model.grads"}, where="scale_loss"),
     Row("optimizers", "the optimizer of an enclosing scale_loss block (nested)", lambda: init("O2"),
         nested_scale_loss, RuntimeError, "is already inside an enclosing `with ampkit.scale_loss(...)` block",
         where="scale_loss"),
@@ -411,6 +428,9 @@ TABLE = [
         lambda e: checkpoint.save(e.tmp / "c.pt", e.opt, e.model), TypeError,
         "ampkit.checkpoint.save(model=...): expected an nn.Module, got a SGD (the arguments are path, model, optimizer: swapped?)",
         where="ampkit.checkpoint.save"),
+    Row("state_dict", "fc1.weight holding NaN", lambda: init("O5"),
+        model_load(lambda sd: sd["fc1.weight"].__setitem__((0, 0), float("nan"))), ValueError,
+        "Tiny.load_state_dict: fc1.weight holds inf/NaN values", where="model.load_state_dict"),
     Row("state_dict", "missing key fc2.bias", lambda: init("O2"), model_load(lambda sd: sd.pop("fc2.bias")),
         RuntimeError, 'Missing key(s) in state_dict: "fc2.bias"', where="model.load_state_dict"),
     Row("state_dict", "extra key", lambda: init("O2"), model_load(lambda sd: sd.update(extra=torch.zeros(1))),
