@@ -104,7 +104,7 @@ def test_arguments_without_torch_equivalent_are_refused(standin):
         FusedAdam(params, bias_correction=False)
     with pytest.raises(ValueError, match=r"FusedAdam\(master_weights=True\).*opt_level='O2'"):
         FusedAdam(params, master_weights=True, capturable=True)
-    with pytest.raises(ValueError, match=r"FusedSGD\(wd_after_momentum=True\).*wd_after_momentum=False \(torch.optim.SGD\)"):
+    with pytest.raises(ValueError, match=r"FusedSGD\(wd_after_momentum=True\).*=False \(torch.optim.SGD\)"):
         FusedSGD([{"params": params[:2]}, {"params": params[2:], "weight_decay": 1e-4}], lr=0.1, wd_after_momentum=True)
     assert FusedSGD(params, lr=0.1, wd_after_momentum=True).wd_after_momentum  # no weight decay: same update
     with pytest.raises(ValueError, match=r"FusedAdagrad\(adagrad_w_mode=True\).*torch.optim.Adagrad"):
@@ -189,7 +189,8 @@ def test_multi_tensor_l2norm(standin):
     assert torch.equal(per, torch.stack([torch.linalg.vector_norm(t.float()) for t in ts]))
     ts[2][0] = float("inf")
     total, per = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [ts], True)
-    assert flag.item() == 1 and total.item() == float("inf") and per[2].item() == float("inf") and torch.isfinite(per[:2]).all()
+    assert flag.item() == 1 and total.item() == float("inf")
+    assert per[2].item() == float("inf") and torch.isfinite(per[:2]).all()
     with pytest.raises(ValueError, match=r"tensor_lists\[0\] is empty"):
         multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [[]], False)
 
@@ -202,7 +203,7 @@ def test_applier_and_other_amp_c_ops(standin):
     seen = []
     assert MultiTensorApply(64)(lambda *a: seen.append(a) or "out", "flag", [[1]], 3) == "out"
     assert seen == [(64, "flag", [[1]], 3)] and multi_tensor_applier.chunk_size == 2048 * 32
-    with pytest.raises(NotImplementedError, match=r"amp_C.multi_tensor_adam is not .*torch.optim.AdamW/Adam\(params, fused=True\)"):
+    with pytest.raises(NotImplementedError, match=r"amp_C.multi_tensor_adam is not .*AdamW/Adam\(params, fused=True\)"):
         amp_C.multi_tensor_adam(2048, _flag(), [[]], 1e-3)
     with pytest.raises(NotImplementedError, match="amp_C.multi_tensor_lamb .*no LAMB"):
         amp_C.multi_tensor_lamb()
