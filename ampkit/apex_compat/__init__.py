@@ -2,25 +2,31 @@
 
 ``python -m ampkit.apex_compat train.py ARGS...`` (or ``install()`` in a notebook, before
 the first ``import apex``) puts a finder on ``sys.meta_path`` that answers ``apex``,
-``apex.amp``, ``apex.parallel`` (with ``apex.parallel.LARC``), ``apex.normalization``
-and ``apex.fp16_utils`` with modules that forward to ampkit's. Nothing outside this
-process changes; nothing is written to disk. A real installed Apex is never shadowed
-silently: ``install`` refuses unless told to (``shadow_installed_apex=True``, the runner's
+``apex.amp``, ``apex.parallel`` (with ``apex.parallel.LARC``), ``apex.normalization`` and
+``apex.fp16_utils`` with modules that forward to ampkit's, and ``apex.optimizers``,
+``apex.multi_tensor_apply`` and ``amp_C`` with their torch counterparts. The same finder
+gives ``importlib.metadata`` an ``apex`` distribution record. Nothing outside this process
+changes; nothing is written to disk. A real installed Apex is never shadowed silently:
+``install`` refuses unless told to (``shadow_installed_apex=True``, the runner's
 ``--shadow-apex``, or ``AMPKIT_APEX=ampkit`` in the environment).
 """
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
 import types
 
+from .. import __version__
+from . import metadata
+
 __all__ = ["install", "uninstall", "installed", "ApexInstalledError", "ENV"]
 
 ENV = "AMPKIT_APEX"  # "ampkit": stand in even over an installed Apex; "apex": use the installed Apex
 
-_ALIASES = {  # apex module -> the ampkit module it forwards to (None: the top-level package)
+_ALIASES = {  # apex module -> the module it forwards to (None: the top-level package)
     "apex": None,
     "apex.amp": "ampkit",
     "apex.amp._amp_state": "ampkit.api.apex_state",
@@ -35,16 +41,23 @@ _ALIASES = {  # apex module -> the ampkit module it forwards to (None: the top-l
     "apex.fp16_utils.fp16util": "ampkit.fp16_utils",
     "apex.fp16_utils.fp16_optimizer": "ampkit.fp16_utils",
     "apex.fp16_utils.loss_scaler": "ampkit.fp16_utils",
+    "apex.optimizers": "ampkit.apex_compat.optimizers",
+    **{f"apex.optimizers.{m}": "ampkit.apex_compat.optimizers" for m in (
+        "fused_adam", "fused_sgd", "fused_adagrad", "fused_lamb", "fused_novograd", "fused_mixed_precision_lamb")},
+    "apex.multi_tensor_apply": "ampkit.apex_compat.multi_tensor",
+    "apex.multi_tensor_apply.multi_tensor_apply": "ampkit.apex_compat.multi_tensor",
+    "amp_C": "ampkit.apex_compat.amp_ops",
 }
-_PACKAGES = {"apex", "apex.amp", "apex.parallel", "apex.normalization", "apex.fp16_utils"}
+_PACKAGES = {"apex", "apex.amp", "apex.parallel", "apex.normalization", "apex.fp16_utils", "apex.optimizers",
+             "apex.multi_tensor_apply"}
+_SERVED = "apex.amp, apex.parallel, apex.normalization, apex.fp16_utils, apex.optimizers and apex.multi_tensor_apply"
 _NOT_PROVIDED = {  # what to use instead, for Apex packages ampkit does not stand in for
-    "apex.optimizers": "use torch.optim (e.g. torch.optim.AdamW(params, fused=True) for FusedAdam, "
-                       "torch.optim.SGD(params, fused=True) for FusedSGD)",
     "apex.contrib": "apex.contrib has no ampkit counterpart",
     "apex.transformer": "apex.transformer has no ampkit counterpart",
     "apex.mlp": "use torch.nn.Linear layers",
     "apex.RNN": "use torch.nn.LSTM / GRU / RNN",
-    "apex.multi_tensor_apply": "use torch._foreach_* ops",
+    "apex.optimizers.fp16_optimizer": "use amp.initialize(model, optimizer, opt_level='O2') (fp32 master weights) "
+                                      "or apex.fp16_utils.FP16_Optimizer",
     "apex.parallel.multiproc": "launch with torchrun --nproc-per-node N -m ampkit.apex_compat SCRIPT",
 }
 _MISSING_NAMES = {  # names inside a stood-in module that ampkit does not have, and what to use
@@ -60,14 +73,37 @@ class ApexInstalledError(RuntimeError):
 def _announce() -> None:
     if not _Finder.announced:
         _Finder.announced = True
-        from .. import __version__
-
         print(f"ampkit {__version__} is standing in for NVIDIA Apex in this process "
-              f"(apex.amp, apex.parallel, apex.normalization, apex.fp16_utils -> ampkit).", file=sys.stderr, flush=True)
+              f"(apex.amp, apex.parallel, apex.normalization, apex.fp16_utils -> ampkit; "
+              f"apex.optimizers, amp_C -> torch).", file=sys.stderr, flush=True)
+
+
+def _public(target: types.ModuleType) -> dict:
+    """The public attributes of ``target`` (its ``__all__``, else its names without a leading
+    underscore), resolved; submodules stay out, to be imported on first use as in any package."""
+    names = getattr(target, "__all__", None) or dir(target)
+    is_package = hasattr(target, "__path__")
+    found = {}
+    for attr in (n for n in names if not n.startswith("_")):
+        if is_package and attr not in vars(target) and importlib.util.find_spec(f"{target.__name__}.{attr}"):
+            continue
+        value = getattr(target, attr)
+        if not isinstance(value, types.ModuleType):
+            found[attr] = value
+    return found
+
+
+def _renamed(error: AttributeError, target_name: str, name: str) -> AttributeError:
+    """``error`` from ``target_name`` as the user met it: through the apex module ``name``."""
+    message = str(error).replace(f"module {target_name!r}", f"module {name!r}", 1)
+    if message.startswith(f"{target_name}."):
+        message = name + message[len(target_name):]
+    return AttributeError(message)
 
 
 def _forwarding_module(name: str) -> types.ModuleType:
-    """A module named ``name`` whose attributes are read from the ampkit module it stands for."""
+    """A real module named ``name`` holding the public attributes of the module it stands for
+    (``'state_dict' in amp.__dict__`` holds); other names are read from that module on use."""
     module = types.ModuleType(name, f"ampkit standing in for {name}.")
     target_name = _ALIASES[name]
 
@@ -75,8 +111,7 @@ def _forwarding_module(name: str) -> types.ModuleType:
         if target_name is None:  # the apex package: its subpackages, imported on first use
             if f"apex.{attr}" in _ALIASES or f"apex.{attr}" in _NOT_PROVIDED:
                 return importlib.import_module(f"apex.{attr}")
-            raise AttributeError(f"module 'apex' has no attribute {attr!r} (ampkit stands in for apex.amp, "
-                                 f"apex.parallel, apex.normalization and apex.fp16_utils)")
+            raise AttributeError(f"module 'apex' has no attribute {attr!r} (ampkit stands in for {_SERVED})")
         if attr == "ReduceOp" and name == "apex.parallel":
             import torch.distributed
 
@@ -84,35 +119,44 @@ def _forwarding_module(name: str) -> types.ModuleType:
         hint = _MISSING_NAMES.get(name, {}).get(attr)
         if hint is not None:
             raise AttributeError(f"{name}.{attr} is not provided by ampkit's Apex stand-in: {hint}.")
-        return getattr(importlib.import_module(target_name), attr)
+        try:
+            return getattr(importlib.import_module(target_name), attr)
+        except AttributeError as e:
+            raise _renamed(e, target_name, name) from None
 
     def __dir__():
-        return [] if target_name is None else dir(importlib.import_module(target_name))
+        if target_name is None:
+            return sorted(set(vars(module)) | {n.split(".")[1] for n in _ALIASES if n.count(".") == 1})
+        return sorted(set(vars(module)) | set(dir(importlib.import_module(target_name))))
 
     module.__getattr__ = __getattr__
     module.__dir__ = __dir__
     if target_name is not None:
         target = importlib.import_module(target_name)
+        vars(module).update(_public(target))
         if hasattr(target, "__all__"):
             module.__all__ = list(target.__all__)
     return module
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``apex`` and its submodules, as ampkit forwarding modules."""
+class _Finder(importlib.metadata.DistributionFinder, importlib.abc.Loader):
+    """Finds ``apex``, its submodules and ``amp_C`` as forwarding modules, and the stand-in's
+    ``apex`` distribution record for ``importlib.metadata``."""
 
     announced = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "apex" and not fullname.startswith("apex."):
-            return None
         if fullname in _ALIASES:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname in _PACKAGES)
+        if not fullname.startswith("apex."):
+            return None
         parts = fullname.split(".")
         prefixes = (".".join(parts[:n]) for n in range(len(parts), 1, -1))
-        hint = next((_NOT_PROVIDED[p] for p in prefixes if p in _NOT_PROVIDED),
-                    "ampkit stands in for apex.amp, apex.parallel, apex.normalization and apex.fp16_utils only")
+        hint = next((_NOT_PROVIDED[p] for p in prefixes if p in _NOT_PROVIDED), f"ampkit stands in for {_SERVED} only")
         raise ModuleNotFoundError(f"No module named {fullname!r} under ampkit's Apex stand-in: {hint}.", name=fullname)
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        return metadata.find_distributions(context)
 
     def create_module(self, spec):
         _announce()
@@ -144,13 +188,15 @@ def _real_apex():
 
 
 def install(shadow_installed_apex=None) -> bool:
-    """Make ``import apex`` (and ``apex.amp``, ``apex.parallel``, ``apex.normalization``,
-    ``apex.fp16_utils``) resolve to ampkit in this process; True when the stand-in is active.
+    """Make ``import apex`` (and its parts named in the module docstring, and ``amp_C``)
+    resolve to ampkit's stand-in in this process, and ``importlib.metadata`` find an ``apex``
+    distribution; True when the stand-in is active.
 
     ``shadow_installed_apex``: what to do when a real Apex is installed. None (the default)
     reads ``AMPKIT_APEX`` from the environment: ``"ampkit"`` stands in anyway, ``"apex"``
     keeps the real Apex (and returns False); unset, an :class:`ApexInstalledError` says so
-    and names both choices. Call it before anything imports ``apex``.
+    and names both choices. Call it before anything imports ``apex``, and before importing
+    a library that decides at import time whether Apex is there (transformers does).
     """
     if installed():
         return True
@@ -182,9 +228,10 @@ def install(shadow_installed_apex=None) -> bool:
 
 
 def uninstall() -> None:
-    """Remove the stand-in and forget the ``apex`` modules it created."""
+    """Remove the stand-in (and with it the ``apex`` distribution record) and forget the
+    ``apex`` and ``amp_C`` modules it created."""
     if installed():
         sys.meta_path.remove(_finder)
-    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+    for name in [n for n in sys.modules if n in _ALIASES or n.startswith("apex.")]:
         if getattr(sys.modules[name].__spec__, "loader", None) is _finder:
             del sys.modules[name]

@@ -149,6 +149,119 @@ torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses"
             "state": optimizer.state_dict()}, out)
 '''
 
+# How libraries decide that Apex is there (transformers' is_apex_available() reads find_spec
+# and the package metadata), then what importing Apex's parts pulls in.
+LIBRARY_CHECKS = r"""
+import importlib.metadata, importlib.util, sys
+
+def apex_available():
+    if importlib.util.find_spec("apex") is None:
+        return False
+    try:
+        return importlib.metadata.version("apex")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+print("apex available:", apex_available())
+print("apex distribution:", importlib.metadata.packages_distributions().get("apex"))
+if apex_available():
+    import apex
+    from apex import amp, optimizers, parallel, fp16_utils, normalization
+    from apex.optimizers import FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad
+    from apex.multi_tensor_apply import multi_tensor_applier
+    import amp_C
+    print("amp holds:", "state_dict" in amp.__dict__, "load_state_dict" in amp.__dict__, "initialize" in dir(amp))
+    print("heavy:", sorted(m for m in ("torchao", "torch.distributed.checkpoint", "torch.distributed.fsdp") if m in sys.modules))
+"""
+
+# A loss-scaler helper as vision repositories carry it: it saves and restores Apex's amp state
+# only when the amp module's __dict__ has state_dict / load_state_dict.
+VISION_SCALER = r"""
+import argparse
+import torch
+from torch import nn
+try:
+    from apex import amp
+except ImportError:
+    amp = None
+
+class AmpScaler:
+    key = "amp"
+
+    def __call__(self, loss, optimizer):
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+
+    def state_dict(self):
+        return amp.state_dict() if "state_dict" in amp.__dict__ else None
+
+    def load_state_dict(self, state):
+        if "load_state_dict" in amp.__dict__:
+            amp.load_state_dict(state)
+
+torch.set_num_threads(1)
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--blowup-step", type=int, default=-1)
+parser.add_argument("--save", default="")
+parser.add_argument("--resume", default="")
+args = parser.parse_args()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale="dynamic", verbosity=0)
+scaler = AmpScaler()
+if args.resume:
+    checkpoint = torch.load(args.resume)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint[scaler.key])
+print("scale at start", amp._amp_state.loss_scalers[0].loss_scale())
+for step in range(args.steps):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+    loss = model(x).pow(2).mean() * (float("inf") if step == args.blowup_step else 1.0)
+    optimizer.zero_grad()
+    scaler(loss, optimizer)
+if args.save:
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), scaler.key: scaler.state_dict()}, args.save)
+"""
+
+# apex.optimizers.FusedAdam under amp O2, with a gradient norm from amp_C through
+# multi_tensor_applier (as Megatron-style clipping code computes it); --torch runs the same
+# with torch.optim.AdamW(fused=True) in its place.
+FUSED_ADAM = r"""
+import sys
+import torch
+from torch import nn
+from apex import amp, optimizers
+from apex.multi_tensor_apply import multi_tensor_applier
+import amp_C
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+if "--torch" in sys.argv:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+else:
+    optimizer = optimizers.FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
+model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0, verbosity=0)
+overflow = torch.zeros(1, dtype=torch.int)
+for step in range(4):
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(step))
+    loss = (model(x).float() - x.sum(1, keepdim=True)).pow(2).mean()
+    optimizer.zero_grad()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
+    norm, per_tensor = multi_tensor_applier(amp_C.multi_tensor_l2norm, overflow, [grads], True)
+    reference = torch.nn.utils.clip_grad_norm_(list(amp.master_params(optimizer)), float("inf"))
+    print("step", step, "loss %.6f" % loss.item(), "norm %.6f %.6f" % (norm.item(), reference.item()), len(per_tensor))
+    optimizer.step()
+print("overflow flag", overflow.item(), type(optimizer).__name__, isinstance(optimizer, torch.optim.Optimizer))
+torch.save([p.detach().clone() for p in model.parameters()], sys.argv[1])
+"""
+
 # What `apex_to_ampkit.diff` does by hand: the same scripts with ampkit imports.
 MIGRATED_IMPORTS = [
     ("from apex.fp16_utils import *", "from ampkit.fp16_utils import *"),

@@ -1,6 +1,8 @@
 """``ampkit.apex_compat.install()`` in this process (the notebook switch): which apex names
 resolve to which ampkit objects, the one stderr notice, and refusals."""
 import importlib
+import importlib.metadata
+import importlib.util
 import sys
 
 import pytest
@@ -49,9 +51,11 @@ def test_names_resolve_to_ampkit(standin, capsys):
 
 
 def test_missing_parts_say_what_to_use(standin):
-    with pytest.raises(ModuleNotFoundError, match="torch.optim"):
-        import apex.optimizers  # noqa: F401
-    with pytest.raises(ModuleNotFoundError, match="apex.amp, apex.parallel, apex.normalization and apex.fp16_utils only"):
+    with pytest.raises(ModuleNotFoundError, match="apex.contrib has no ampkit counterpart"):
+        import apex.contrib.optimizers  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="opt_level='O2'"):
+        import apex.optimizers.fp16_optimizer  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="apex.fp16_utils, apex.optimizers and apex.multi_tensor_apply only"):
         import apex.amp.handle  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="torchrun"):
         import apex.parallel.multiproc  # noqa: F401
@@ -89,3 +93,57 @@ def test_uninstall_and_refusals(monkeypatch):
     monkeypatch.setenv(apex_compat.ENV, "apex")
     assert apex_compat.install() is False and not apex_compat.installed()
     assert not apex_compat.installed()
+
+
+def test_apex_distribution_record_lives_and_dies_with_the_standin(monkeypatch, tmp_path):
+    """What transformers' is_apex_available() reads: find_spec and the package metadata."""
+    from packaging.version import Version
+
+    monkeypatch.delenv(apex_compat.ENV, raising=False)
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
+    apex_compat.install()
+    try:
+        assert importlib.util.find_spec("apex") is not None and importlib.util.find_spec("amp_C") is not None
+        version = importlib.metadata.version("apex")
+        assert version == f"0.1+ampkit.{ampkit.__version__}" and Version(version).local == f"ampkit.{ampkit.__version__}"
+        dist = importlib.metadata.distribution("Apex")  # names are matched as pip normalizes them
+        assert dist.metadata["Name"] == "apex" and "standing in for NVIDIA Apex" in dist.metadata["Summary"]
+        assert dist.files is None and dist.requires is None
+        assert importlib.metadata.packages_distributions()["apex"] == ["apex"]
+        assert "apex" not in sys.modules  # metadata look-ups import nothing
+        assert not [d for d in importlib.metadata.distributions(path=[str(tmp_path)]) if d.metadata["Name"] == "apex"]
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version("apex-contrib")
+    finally:
+        apex_compat.uninstall()
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("apex")
+    assert importlib.util.find_spec("amp_C") is None
+
+
+def test_standin_modules_hold_their_public_names(standin):
+    """`'state_dict' in amp.__dict__` (a vision-repository checkpoint helper's test) holds;
+    submodules stay lazy, as in any package."""
+    from apex import amp, fp16_utils, optimizers, parallel
+
+    assert amp.__dict__["state_dict"] is ampkit.state_dict and amp.__dict__["load_state_dict"] is ampkit.load_state_dict
+    assert {"initialize", "scale_loss", "master_params", "LossScaler"} <= set(vars(amp)) <= set(dir(amp))
+    assert "float8" not in vars(amp) and amp.float8 is importlib.import_module("ampkit.float8")
+    assert vars(parallel)["DistributedDataParallel"] is ampkit.parallel.DistributedDataParallel
+    assert vars(fp16_utils)["FP16_Optimizer"] is ampkit.fp16_utils.FP16_Optimizer
+    assert set(optimizers.__all__) <= set(vars(optimizers))
+    import apex
+
+    assert {"amp", "parallel", "optimizers", "multi_tensor_apply", "fp16_utils", "normalization"} <= set(dir(apex))
+
+
+def test_errors_through_the_standin_name_the_apex_module(standin):
+    from apex import amp, fp16_utils
+
+    with pytest.raises(AttributeError, match=r"^module 'apex.amp' has no attribute 'no_such_name'$"):
+        amp.no_such_name
+    with pytest.raises(AttributeError, match=r"^apex\.amp\.init: amp\.init\(\)"):
+        amp.init
+    with pytest.raises(AttributeError, match=r"^module 'apex.fp16_utils' has no attribute 'nope'"):
+        fp16_utils.nope

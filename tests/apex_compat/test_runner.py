@@ -125,12 +125,12 @@ def test_installed_apex_is_never_shadowed_silently(tmp_path):
 
 def test_runner_usage_and_missing_parts(tmp_path):
     source = ("import sys\nfrom apex import amp\nprint(sys.argv[1:])\n"
-              "try:\n    import apex.optimizers\nexcept ImportError as e:\n    print(e)\n"
+              "try:\n    import apex.contrib.optimizers\nexcept ImportError as e:\n    print(e)\n"
               "try:\n    amp.init()\nexcept AttributeError as e:\n    print(e)\n")
     out = runner(tmp_path, source, "--opt-level", "O1", "x").stdout.splitlines()
     assert out[0] == "['--opt-level', 'O1', 'x']"
-    assert "apex.optimizers" in out[1] and "torch.optim" in out[1]
-    assert "ampkit.initialize" in out[2]
+    assert "'apex.contrib'" in out[1] and "apex.contrib has no ampkit counterpart" in out[1]
+    assert out[2].startswith("apex.amp.init: ") and "ampkit.initialize" in out[2]
     proc = subprocess.run([sys.executable, "-m", "ampkit.apex_compat"], env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "usage: python -m ampkit.apex_compat" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "ampkit.apex_compat", str(tmp_path / "nope.py")], env=_env(),
@@ -206,3 +206,55 @@ def test_repository_apex_example_runs_unchanged(tmp_path):
     assert a["amp"] == b["amp"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k])
+
+
+def test_libraries_find_apex_as_they_look_for_it(tmp_path):
+    """transformers-style detection (find_spec + package metadata) sees the stand-in inside the
+    runner only; importing every stood-in part leaves torchao and distributed checkpoints out."""
+    import ampkit
+
+    out = runner(tmp_path, scripts.LIBRARY_CHECKS).stdout.splitlines()
+    assert out == [f"apex available: 0.1+ampkit.{ampkit.__version__}", "apex distribution: ['apex']",
+                   "amp holds: True True True", "heavy: []"]
+    script = tmp_path / "plain.py"
+    script.write_text(scripts.LIBRARY_CHECKS)
+    plain = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert plain.returncode == 0 and plain.stdout.splitlines() == ["apex available: False", "apex distribution: None"]
+
+
+def test_vision_scaler_helper_saves_and_restores_the_loss_scale(tmp_path):
+    """The helper checks `'state_dict' in amp.__dict__`: the checkpoint holds amp's state and the
+    resumed run starts at the saved loss scale, not at 2**16."""
+    out = runner(tmp_path, scripts.VISION_SCALER, "--steps", 4, "--blowup-step", 1, "--save", tmp_path / "c.pt").stdout
+    assert "scale at start 65536.0" in out
+    saved = torch.load(tmp_path / "c.pt")
+    assert saved["amp"] == {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 2}}
+    resumed = runner(tmp_path, scripts.VISION_SCALER, "--steps", 0, "--resume", tmp_path / "c.pt").stdout
+    assert resumed.splitlines() == ["scale at start 32768.0"]
+
+
+def test_fused_adam_and_amp_c_under_amp_o2_match_torch_adamw(tmp_path):
+    """apex.optimizers.FusedAdam through amp.initialize(O2) steps exactly as torch.optim.AdamW
+    (fused) does; amp_C's l2norm through multi_tensor_applier gives torch's gradient norm."""
+    apex_run = runner(tmp_path, scripts.FUSED_ADAM, tmp_path / "apex.pt").stdout.splitlines()
+    torch_run = runner(tmp_path, scripts.FUSED_ADAM, tmp_path / "torch.pt", "--torch").stdout.splitlines()
+    assert apex_run[:-1] == torch_run[:-1] and len(apex_run) == 5
+    assert apex_run[-1] == "overflow flag 0 FusedAdam True" and torch_run[-1] == "overflow flag 0 AdamW True"
+    for line in apex_run[:-1]:
+        fields = line.split()
+        assert float(fields[5]) == pytest.approx(float(fields[6]), rel=1e-5) and fields[7] == "4"
+    _same(torch.load(tmp_path / "apex.pt"), torch.load(tmp_path / "torch.pt"))
+
+
+def test_runner_runs_a_module_pytest_included(tmp_path):
+    """``python -m ampkit.apex_compat -m pytest ...``: the test session imports Apex's parts."""
+    (tmp_path / "test_uses_apex.py").write_text(
+        "import importlib.metadata\n"
+        "from apex import amp\nfrom apex.optimizers import FusedAdam\n\n"
+        "def test_apex():\n"
+        "    assert importlib.metadata.version('apex').startswith('0.1+ampkit')\n"
+        "    assert 'state_dict' in amp.__dict__ and FusedAdam.__module__ == 'ampkit.apex_compat.optimizers'\n")
+    cmd = [sys.executable, "-m", "ampkit.apex_compat", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_uses_apex.py"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
