@@ -7,7 +7,10 @@ import pytest
 HEAVY = ("torchao", "torch.distributed.checkpoint", "torch.distributed.fsdp")
 
 
-@pytest.mark.parametrize("statement", ["import ampkit", "import ampkit; ampkit.initialize; ampkit.scale_loss"])
+@pytest.mark.parametrize("statement", [
+    "import ampkit", "import ampkit; ampkit.initialize; ampkit.scale_loss",
+    "import ampkit.apex_compat as c; c.install(); from apex import amp, optimizers, parallel, fp16_utils",
+])
 def test_import_does_not_pull_in_heavy_modules(statement):
     code = f"import sys; {statement}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

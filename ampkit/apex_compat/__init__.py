@@ -119,10 +119,11 @@ def _forwarding_module(name: str) -> types.ModuleType:
         hint = _MISSING_NAMES.get(name, {}).get(attr)
         if hint is not None:
             raise AttributeError(f"{name}.{attr} is not provided by ampkit's Apex stand-in: {hint}.")
+        target = importlib.import_module(target_name)  # its __name__ may differ (a path shim)
         try:
-            return getattr(importlib.import_module(target_name), attr)
+            return getattr(target, attr)
         except AttributeError as e:
-            raise _renamed(e, target_name, name) from None
+            raise _renamed(e, target.__name__, name) from None
 
     def __dir__():
         if target_name is None:

@@ -10,7 +10,7 @@ import gc
 import itertools
 import logging
 import weakref
-from typing import Optional, Set, Tuple
+from typing import Set, Tuple
 
 logger = logging.getLogger("ampkit")
 
@@ -97,7 +97,3 @@ def _kind(obj) -> str:
         return f"a {name} (an nn.Module: pass it as model=...)"
     return f"a {name}"
 
-
-def alive(run: Optional[object]) -> bool:
-    """Whether ``run`` still has a model in this process."""
-    return run is not None and any(r is run for r in list(_by_model.values()))

@@ -482,8 +482,11 @@ def _step(optimizer, closure=None):
     return state.step()
 
 
-def _zero_grad(optimizer, set_to_none: bool = True):
-    """``optimizer.zero_grad()``: clears model and master gradients alike."""
+def _zero_grad(optimizer, set_to_none: Optional[bool] = None):
+    """``optimizer.zero_grad()``: clears model and master gradients alike (to None unless the
+    optimizer says otherwise: Apex's FusedSGD stand-in zeroes them, ``set_grad_none=False``)."""
+    if set_to_none is None:
+        set_to_none = bool(getattr(optimizer, "set_grad_none", True))
     optimizer._ampkit.clear_grads(set_to_none)
 
 

@@ -16,6 +16,8 @@ Loss scaling is ampkit's: each rank checks its gradient shards and the found-inf
 MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps.
 """
 import dataclasses
+import os
+import pickle
 import sys
 import warnings
 from typing import Dict, Optional
@@ -233,6 +235,41 @@ def _dcp():
     return dcp, sd
 
 
+class _MetadataOnly(pickle.Unpickler):
+    """Unpickles only what ``dcp.save`` writes into ``.metadata``: DCP's own records, torch sizes,
+    dtypes and layouts, paths, plain containers. Anything else is refused before DCP unpickles it."""
+
+    MODULES = ("torch.distributed.checkpoint.",)
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+             ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+             ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module.startswith(self.MODULES) or (module, name) in self.NAMES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def check_metadata(checkpoint_id) -> None:
+    """Refuse a ``.metadata`` file that is not what torch's distributed checkpoint writes
+    (torch unpickles it: a crafted one could run code); a cheap, partial check."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return  # a storage reader: its own business
+    path = os.path.join(os.fspath(checkpoint_id), ".metadata")
+    if not os.path.isfile(path):
+        return  # DCP reports the missing file itself
+    try:
+        with open(path, "rb") as f:
+            _MetadataOnly(f).load()
+    except Exception as e:
+        raise ValueError(
+            f"ampkit.parallel.load_sharded({os.fspath(checkpoint_id)!r}): {path} is not the metadata that "
+            f"torch.distributed.checkpoint writes ({type(e).__name__}: {e}); refusing to let torch unpickle it. "
+            f"Load only checkpoints you wrote or trust."
+        ) from None
+
+
 def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Save model, optimizer and loss scalers with ``torch.distributed.checkpoint``: each rank
     writes its own shards (collective: call on every rank).
@@ -250,6 +287,7 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load what :func:`save_sharded` wrote under ``checkpoint_id`` into a model and optimizer
     prepared by the same ``initialize`` call (same level, same world size for a bit-exact resume)."""
     run = registry.of_optimizer("ampkit.parallel.load_sharded()", optimizer)
+    check_metadata(checkpoint_id)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state, "amp": run.state_dict()}

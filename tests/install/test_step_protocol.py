@@ -77,7 +77,7 @@ def test_a_loss_that_reaches_none_of_the_optimizers_parameters_is_refused():
         with ampkit.scale_loss(loss_of(model), other_opt) as scaled:
             scaled.backward()
     assert all(p.grad is not None for p in model.parameters())  # the real model's scaled gradients
-    with pytest.raises(RuntimeError, match="scaled_loss.backward\(\) was not called"):
+    with pytest.raises(RuntimeError, match=r"scaled_loss.backward\(\) was not called"):
         with ampkit.scale_loss(loss_of(other), other_opt):
             pass
 

@@ -393,3 +393,22 @@ def test_o7_with_fsdp_is_refused_before_anything_changes():
         assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
     finally:
         dist.destroy_process_group()
+
+
+def test_load_sharded_refuses_metadata_that_dcp_did_not_write(tmp_path):
+    import pickle
+
+    from ampkit.parallel.fsdp import check_metadata
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O5", verbosity=0)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(print))  # a global DCP never writes (os.system would run)
+    with pytest.raises(ValueError, match=r"\.metadata is not the metadata that torch.distributed.checkpoint writes"):
+        load_sharded(tmp_path, model, opt)
+    good = tmp_path / "good"
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": torch.ones(3, dtype=torch.bfloat16), "amp": {"loss_scaler0": {"loss_scale": 1.0}}}, checkpoint_id=good)
+    check_metadata(good)  # what DCP writes passes
