@@ -12,7 +12,7 @@ _EXPORTS = {
     "initialize": "pipeline.initialize",
     "scale_loss": "api.training", "master_params": "api.training",
     "state_dict": "api.state", "load_state_dict": "api.state",
-    "loss_scalers": "api.state", "step_was_skipped": "api.state",
+    "loss_scalers": "api.state", "step_was_skipped": "api.state", "nonfinite_gradients": "api.state",
     "autocast": "install.autocasting", "disable_casts": "install.autocasting",
     "half_function": "install.autocasting", "float_function": "install.autocasting",
     "promote_function": "install.autocasting", "register_half_function": "install.autocasting",

@@ -43,3 +43,14 @@ def step_was_skipped(optimizer) -> bool:
     (an LR scheduler should then not advance). False before its first step."""
     registry.of_optimizer("ampkit.step_was_skipped()", optimizer)
     return optimizer._ampkit.last_step_skipped
+
+
+def nonfinite_gradients(optimizer=None) -> list:
+    """The parameters (named as ``model.named_parameters()`` names them) whose gradients held
+    inf/NaN in the last step whose overflow check was decided: the layers behind a skipped
+    step. Empty after a clean step. Looked for only when an overflow was found, so a clean
+    step costs nothing. The run is ``optimizer``'s, else the current run."""
+    if optimizer is not None:
+        registry.of_optimizer("ampkit.nonfinite_gradients()", optimizer)
+        return list(optimizer._ampkit.nonfinite)
+    return list(registry.current("ampkit.nonfinite_gradients()").nonfinite)

@@ -29,6 +29,11 @@ def register(run, models) -> None:
     _latest = run
 
 
+def models_of(run) -> list:
+    """The live models of ``run``, in the order ``initialize`` got them."""
+    return [m for m, r in list(_by_model.items()) if r is run]
+
+
 def latest():
     """The run of the latest ``initialize`` of any kind, or ``None``."""
     return _latest

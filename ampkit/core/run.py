@@ -31,6 +31,7 @@ class Run:
         self.optimizer_names = tuple(optimizer_names)
         self.trains = bool(optimizer_names)
         self.floor_warned = set()  # loss ids whose min_loss_scale warning was logged
+        self.nonfinite: List[str] = []  # parameters whose gradients overflowed in the last decided step
 
     def log(self, msg: str, *args, level: int = logging.INFO) -> None:
         if self.verbosity > 0:

@@ -29,8 +29,9 @@ def underflow_scale(half_dtype: torch.dtype) -> float:
     return smallest / _SMALLEST_FP16
 
 
-def after_update(run, loss_id: int, scaler) -> None:
-    """Warn once per scaler when its run stops being healthy (see the module docstring)."""
+def after_update(run, loss_id: int, scaler, nonfinite=()) -> None:
+    """Warn once per scaler when its run stops being healthy (see the module docstring);
+    ``nonfinite``: the parameters whose gradients overflowed in this step."""
     warned = scaler.warned
     pinned = scaler.at_floor  # then the min_loss_scale warning (overflow.py) has said it already
     if scaler.consecutive_overflows >= CONSECUTIVE_SKIPS and not pinned and "skips" not in warned:
@@ -38,8 +39,8 @@ def after_update(run, loss_id: int, scaler) -> None:
         logger.warning(
             "ampkit: loss scaler %d has skipped %d steps in a row (loss scale now %s): every gradient "
             "holds inf/NaN and the weights are not being updated. Look for inf/NaN in the forward pass or "
-            "the loss (a bad batch, a too-high learning rate that already made the weights overflow).",
-            loss_id, scaler.consecutive_overflows, scaler.loss_scale())
+            "the loss (a bad batch, a too-high learning rate that already made the weights overflow). %s",
+            loss_id, scaler.consecutive_overflows, scaler.loss_scale(), _culprits(nonfinite))
     half = getattr(run.properties, "half_dtype", None)
     if ("underflow" not in warned and scaler.dynamic and half is not None
             and scaler.loss_scale() < underflow_scale(half)):
@@ -62,3 +63,11 @@ def check_finite_weights(models) -> None:
                     f"initialize(models=...): parameter {where} already holds inf/NaN values; training would "
                     f"only spread them. Check the initialization or the checkpoint it was loaded from."
                 )
+
+
+def _culprits(names) -> str:
+    """Where to look: the first parameters whose gradients overflowed, and the tool that measures."""
+    names = list(names)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    first = f"Non-finite gradients in this step: {shown} (ampkit.nonfinite_gradients()). " if names else ""
+    return first + "ampkit.precision_report(model, loss_fn, batches) measures every layer against each level's range."

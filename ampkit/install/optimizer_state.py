@@ -91,6 +91,7 @@ class OptimizerState:
         self.skip: Optional[int] = None
         self.unstepped: List = []  # resolved overflow checks no step() has consumed yet
         self.last_step_skipped = False  # ampkit.step_was_skipped(optimizer)
+        self.nonfinite: List[str] = []  # ampkit.nonfinite_gradients(optimizer): the last decided check's
         self.keep_grads = False  # zero_grad(set_to_none=False) was used: master grads persist
         unhooked = unhooked_step(optimizer)
         self.runs_hooks = unhooked is not None  # torch's step hooks run around the whole step (step_hooks.py)
@@ -242,9 +243,10 @@ class OptimizerState:
         return (any(p.grad is not None for p in self.masters)
                 or any(p.grad is not None for p in self.step_params() if p not in self.owner))
 
-    def record(self, check: OverflowCheck, overflow: bool) -> None:
+    def record(self, check: OverflowCheck, overflow: bool, nonfinite=()) -> None:
         """``check`` was resolved: kept until a step consumes it; an overflow skips the next step."""
         self.unstepped.append(check)
+        self.nonfinite = list(nonfinite)
         if overflow:
             self.skip = check.loss_id
 

@@ -1,9 +1,10 @@
 """One overflow decision: the found-inf flags of an unscale, reduced to one host sync."""
 import logging
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
+from ..core import registry
 from ..core.scaler import LossScaler
 from . import health
 
@@ -38,14 +39,16 @@ class OverflowCheck:
             return False
         self.done = True
         overflow = bool(_all_ranks_max(self._flag()).item())
+        names = nonfinite_names(self.run, self.states) if overflow else []  # looked for only on an overflow
+        self.run.nonfinite = names
         pinned = self.scaler is not None and self.scaler.at_floor
         if self.scaler is not None:
             self.before = self.scaler.snapshot()
             self.scaler.update(overflow)
             self.after = self.scaler.snapshot()
-            health.after_update(self.run, self.loss_id, self.scaler)
+            health.after_update(self.run, self.loss_id, self.scaler, names)
         for st in self.states:
-            st.record(self, overflow)
+            st.record(self, overflow, names)
         if overflow:
             self._report(pinned)
         return overflow
@@ -70,6 +73,29 @@ class OverflowCheck:
         else:
             run.log("Gradient overflow. Skipping step, loss scaler %d keeps its static loss scale %s "
                     "(non-finite gradients are never applied)", i, self.scaler.loss_scale())
+
+
+def nonfinite_names(run, states) -> List[str]:
+    """The parameters (as ``model.named_parameters()`` names them) whose gradients hold inf/NaN;
+    with several models, ``models[i].name``; unnamed ones as ``param_groups[g][i]``."""
+    models = registry.models_of(run)
+    name_of = {}
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            name_of.setdefault(p, name if len(models) == 1 else f"models[{i}].{name}")
+    found = []
+    for st in states:
+        for g, group in enumerate(st.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and not _finite(p.grad):
+                    found.append(name_of.get(st.owner.get(p, p), f"param_groups[{g}][{i}]"))
+    return list(dict.fromkeys(found))
+
+
+def _finite(grad: torch.Tensor) -> bool:
+    grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor shard: this rank's part
+    values = grad.coalesce()._values() if grad.is_sparse else grad
+    return bool(torch.isfinite(values).all())
 
 
 def _all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
