@@ -166,3 +166,18 @@ def test_state_dict_values_per_level(level):
     ema = copy.deepcopy(model)
     a, b = ema.state_dict(), ema.state_dict()
     assert all(a[k].data_ptr() == b[k].data_ptr() for k in a)
+
+
+def test_a_model_pickled_by_ampkit_0_2_0_before_the_redesign_still_loads():
+    """``data/o2_model_v0.2.0.pkl``: Sequential(Linear(4, 4), BatchNorm1d(4), LayerNorm(4)) after
+    ``initialize(..., opt_level="O2")``, pickled by the flat-layout ampkit (it names
+    ``ampkit.model_state._rebuild`` and ``ampkit.model_state.ModelState``)."""
+    import pickle
+    from pathlib import Path
+
+    data = (Path(__file__).with_name("data") / "o2_model_v0.2.0.pkl").read_bytes()
+    assert b"ampkit.model_state" in data
+    model = pickle.loads(data)
+    assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+    out = model(torch.randn(2, 4))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
