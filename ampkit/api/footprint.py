@@ -1,7 +1,8 @@
 """Persistent training memory, measured: the bytes of the tensors that live across steps.
 
 Counted, each storage once (shared or tied tensors are not double-counted): the models'
-parameters and buffers, the tensors the optimizers step on (fp32 master weights), every
+parameters and buffers, the tensors the optimizers step on (fp32 master weights, or the
+16-bit remainders of ``master_weights="remainder"``), every
 tensor in the optimizers' state, and the fp32 gradient buffers ampkit keeps across steps
 for large master sets. Not counted: gradients (call after ``zero_grad()``, which frees
 them) and activations, which are per-step.
@@ -35,7 +36,8 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
         return sum(found.values())
 
     kinds["buffers"] = new(b for m in models for b in m.buffers())
-    kinds["masters"] = new(p for o in optimizers for g in o.param_groups for p in g["params"])
+    remainders = [r for m in models for r in getattr(getattr(m, "_ampkit", None), "remainders", {}).values()]
+    kinds["masters"] = new([p for o in optimizers for g in o.param_groups for p in g["params"]] + remainders)
     kinds["optimizer_state"] = new(v for o in optimizers for st in o.state.values() for v in st.values())
     kinds["grad_buffers"] = new(b for o in optimizers for b in getattr(getattr(o, "_ampkit", None), "_grad_buffers", {}).values())
     kinds["total"] = sum(kinds.values())

@@ -14,6 +14,7 @@ from . import text_table
 
 HALF_DTYPE = "half_dtype"  # table marker: "cast the model to the level's half dtype"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+REMAINDER = "remainder"  # master_weights: the fp32 master as bf16 weight + int16 remainder (core/remainder.py)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FLT_TINY, FLT_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 FLOAT32_RANGE = f"that float32 holds as a normal number ({FLT_TINY:.4g} to {FLT_MAX:.4g})"
@@ -28,7 +29,8 @@ class Properties:
         cast_model_type: dtype the model is cast to, or ``None`` for no cast.
         patch_torch_functions: run the forward under ``torch.autocast`` in ``half_dtype``.
         keep_batchnorm_fp32: keep BatchNorm in fp32 when the model is cast to half.
-        master_weights: the optimizer steps on fp32 master copies of half parameters.
+        master_weights: the optimizer steps on fp32 master copies of half parameters; ``"remainder"``:
+            the same fp32 masters, held as the bf16 weight plus a 16-bit remainder (no fp32 copy).
         loss_scale: ``"dynamic"`` or a static positive scale.
         half_dtype: the level's half dtype (float16 or bfloat16), ``None`` at O0.
         low_precision_layernorm: LayerNorm runs in the half dtype under autocast.
@@ -45,7 +47,7 @@ class Properties:
     cast_model_type: Optional[Any]  # torch dtype, HALF_DTYPE (table only) or None
     patch_torch_functions: bool
     keep_batchnorm_fp32: Optional[bool]
-    master_weights: Optional[bool]
+    master_weights: Union[None, bool, str]
     loss_scale: Union[float, str]
     half_dtype: Optional[torch.dtype]
     low_precision_layernorm: bool = False
@@ -115,6 +117,13 @@ def _bool(name, value) -> bool:
     if isinstance(value, bool):
         return value
     raise TypeError(f"initialize({name}={value!r}): expected True or False.")
+
+
+def _master_weights(value):
+    if isinstance(value, bool) or value == REMAINDER:
+        return value
+    raise TypeError(f"initialize(master_weights={value!r}): expected True, False or {REMAINDER!r} (the fp32 "
+                    f"master held as the bf16 weight plus a 16-bit remainder).")
 
 
 def _dtype_name(dtypes) -> str:
@@ -211,7 +220,7 @@ _CHECKS = {
     "cast_model_type": _cast_model_type,
     "patch_torch_functions": lambda v: _bool("patch_torch_functions", v),
     "keep_batchnorm_fp32": _keep_batchnorm_fp32,
-    "master_weights": lambda v: _bool("master_weights", v),
+    "master_weights": lambda v: _master_weights(v),
     "loss_scale": _loss_scale,
     "half_dtype": _half_dtype,
     "low_precision_layernorm": lambda v: _bool("low_precision_layernorm", v),
@@ -256,8 +265,15 @@ def resolve(opt_level, **overrides) -> Tuple[Properties, Properties, Dict[str, A
         )
     if applied.get("master_weights") and not casts_to_half:
         notes.append(
-            f"master_weights=True has no effect at {defaults.opt_level}: the model weights stay "
-            f"float32, so they are their own master weights."
+            f"master_weights={applied['master_weights']!r} has no effect at {defaults.opt_level}: the model weights "
+            f"stay float32, so they are their own master weights."
+        )
+        final = dataclasses.replace(final, master_weights=False) if final.master_weights == REMAINDER else final
+    if final.master_weights == REMAINDER and final.cast_model_type != torch.bfloat16:
+        raise ValueError(
+            f"initialize(master_weights='remainder'): the bf16 weight plus a 16-bit remainder holds an fp32 master "
+            f"only for a bfloat16 model, but {defaults.opt_level} casts it to {final.cast_model_type}; pass "
+            f"half_dtype=torch.bfloat16 (O5, O6), or master_weights=True."
         )
     if "half_dtype" in applied and not (final.patch_torch_functions or casts_to_half):
         notes.append(f"half_dtype={applied['half_dtype']} has no effect at {defaults.opt_level}: nothing runs in half.")
@@ -291,7 +307,7 @@ def _resolve_update(level: str, final: Properties, applied: dict) -> Tuple[Prope
                 f"weights, but the model is cast to {cast}; pass half_dtype=torch.bfloat16, or "
                 f"update_rounding='nearest'."
             )
-    if final.optimizer_state_dtype is not None and final.update_rounding is None:
+    if final.optimizer_state_dtype is not None and final.update_rounding is None and final.master_weights != REMAINDER:
         notes.append(
             f"optimizer_state_dtype={final.optimizer_state_dtype} has no effect at {level}: it sets how "
             f"optimizer state is stored between steps only where ampkit computes the update "

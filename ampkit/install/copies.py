@@ -17,18 +17,22 @@ import torch
 from torch import nn
 
 from ..core.levels import HALF_DTYPES
+from ..core.remainder import combine
 
 
 def make_standalone(model: nn.Module) -> None:
     """Give a freshly unpickled or deep-copied initialized ``model`` float32 twins."""
     st = model._ampkit
     old = st.masters  # deep-copied with the model: keyed by the copy's own parameters
-    st.masters, st.synced = {}, {}
+    remainders = getattr(st, "remainders", {})
+    st.masters, st.synced, st.remainders = {}, {}, {}
     tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
     for t in tensors:
         if t in st.masters or not t.is_floating_point() or t.dtype not in HALF_DTYPES:
             continue
         master = old.get(t)
+        if master is None and t in remainders:
+            master = combine(t.detach(), remainders[t])
         master = t.detach().float() if master is None else master.detach()
         st.masters[t] = master
         st.synced[t] = (t._version, master._version)

@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .apex_lists import in_apex_fp32_region
 from ..core.casting import cast_tree
+from ..core.remainder import combine, split_
 from .copies import make_standalone, sync, sync_one
 from ..core.levels import HALF_DTYPES
 
@@ -38,6 +39,7 @@ class ModelState:
         self.autocast_device = autocast_device
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
+        self.remainders: Dict[torch.Tensor, torch.Tensor] = {}  # master_weights="remainder": bf16 param -> int16
         self._param_ids = {id(p) for p in model.parameters()}
         self.synced = None  # on copies only: see copies.py
         # FSDP2 already manages it (the user's fully_shard before initialize), or
@@ -50,6 +52,9 @@ class ModelState:
     def replace_param(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Module surgery put ``new`` in the model where ``old`` was."""
         self.masters.pop(old, None)
+        rem = self.remainders.pop(old, None)
+        if rem is not None and new.dtype == torch.bfloat16 and new.shape == rem.shape:
+            self.remainders[new] = rem if torch.equal(new.detach(), old.detach()) else torch.zeros_like(rem)
         if id(old) in self._param_ids:
             self._param_ids.discard(id(old))
             self._param_ids.add(id(new))
@@ -89,6 +94,7 @@ class _Float32StateDict:
 
     def __call__(self, module, state_dict, prefix, local_metadata):
         masters = self.state.masters
+        remainders = getattr(self.state, "remainders", {})  # absent from states pickled before 0.3
         copied = self.state.synced is not None
         for mod, pre in _own_tree(module, prefix):
             for tensors in (mod._parameters, mod._buffers):
@@ -101,6 +107,8 @@ class _Float32StateDict:
                         if copied:
                             sync_one(self.state, t, master)
                         state_dict[key] = master.detach()
+                    elif t in remainders:
+                        state_dict[key] = combine(t.detach(), remainders[t])
                     elif state_dict[key].dtype in HALF_DTYPES:
                         state_dict[key] = state_dict[key].float()
 
@@ -119,25 +127,29 @@ class _MasterLoadSync:
 
     def before(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         self.incoming = []
-        masters = self.state.masters
-        if not masters:
+        masters, remainders = self.state.masters, getattr(self.state, "remainders", {})
+        if not (masters or remainders):
             return
         for mod, pre in _own_tree(module, prefix):
             for name, p in itertools.chain(mod._parameters.items(), mod._buffers.items()):  # buffers: copies
-                master = masters.get(p) if p is not None else None
+                target = None if p is None else masters.get(p, p if p in remainders else None)
                 value = state_dict.get(pre + name)
-                if master is None or not torch.is_tensor(value):
+                if target is None or not torch.is_tensor(value):
                     continue
-                if master.dim() == 0 and value.shape == (1,):  # torch loads these too (old checkpoints)
+                if target.dim() == 0 and value.shape == (1,):  # torch loads these too (old checkpoints)
                     value = value[0]
-                if value.shape == master.shape:
-                    self.incoming.append((master, value))
+                if value.shape == target.shape:
+                    self.incoming.append((target, value))
 
     def after(self, module, incompatible_keys):
         incoming, self.incoming = self.incoming, []
+        remainders = getattr(self.state, "remainders", {})
         with torch.no_grad():
-            for master, value in incoming:
-                master.copy_(value)
+            for target, value in incoming:
+                if target in remainders:  # the loaded value is the fp32 master: weight and remainder
+                    split_([target], [remainders[target]], [value.detach().float()])
+                else:
+                    target.copy_(value)
 
 
 class AmpModule:

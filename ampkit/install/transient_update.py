@@ -26,6 +26,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ..core.levels import HALF_DTYPES
+from ..core.remainder import combine_, split, split_
 from ..core.rounding import StochasticRounder
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
@@ -54,10 +55,11 @@ class TransientUpdate:
     rounding generators stay untouched)."""
 
     def __init__(self, optimizer, step: Callable, rounding: str, rounder: Optional[StochasticRounder],
-                 state_dtype: Optional[torch.dtype]):
+                 state_dtype: Optional[torch.dtype], model_states=None):
         self.optimizer = optimizer
         self.step = step
         self.rounding = rounding
+        self.model_states = model_states  # with remainder masters: the models' remainders
         self.rounder = rounder
         self.state_dtype = state_dtype
 
@@ -105,6 +107,8 @@ class TransientUpdate:
             with torch.no_grad():
                 torch._foreach_copy_(wide, srcs)
         copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
+        if self.model_states is not None:  # the exact fp32 masters, not the widened bf16 weights
+            combine_(copies, half, self._remainders(half))
         for (st, k, _), w in zip(stored, wide[2 * len(half):]):
             st[k] = w
         copy_of = dict(zip(half, zip(copies, grad_copies)))
@@ -121,7 +125,10 @@ class TransientUpdate:
                 swapped.append((group, i, p, f))
             result = self.step()
             with torch.no_grad():
-                self.round_into(half, copies)
+                if self.model_states is not None:
+                    split_(half, self._remainders(half), copies)
+                else:
+                    self.round_into(half, copies)
                 self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into,
                              {(id(st), k): v for st, k, v in stored})
             return result
@@ -133,6 +140,17 @@ class TransientUpdate:
                     opt.state[p] = state
             for group, i, p in chunk:
                 p.grad = None
+
+    def _remainders(self, params) -> List[torch.Tensor]:
+        """Each bf16 parameter's remainder (a parameter added later starts at 0: its bf16 value)."""
+        out = []
+        for p in params:
+            owner = next((ms for ms in self.model_states if ms.owns(p)), self.model_states[0])
+            r = owner.remainders.get(p)
+            if r is None:
+                r = owner.remainders[p] = torch.zeros_like(p, dtype=torch.int16)
+            out.append(r)
+        return out
 
     def _narrow(self, states, round_into, stored=None) -> None:
         """Elementwise float32 state to ``state_dtype`` (when that is a half dtype), into the
@@ -224,3 +242,19 @@ def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state
     opt.load_state_dict = types.MethodType(_load_state_dict, opt)
     held = [p for g in opt.param_groups for p in g["params"] if p in opt.state]
     update._narrow([(opt.state[p], p) for p in held], _copy_into)  # state it already had, as state_dtype
+
+
+def attach_remainders(opt_state, originals: dict, state_dtype: Optional[torch.dtype]) -> None:
+    """``master_weights="remainder"``: each bf16 parameter's fp32 master held as the weight plus
+    an int16 remainder (``core/remainder.py``), starting from its fp32 value before the cast;
+    the optimizer steps on the exact masters through a :class:`TransientUpdate`."""
+    for group in opt_state.optimizer.param_groups:
+        for p in group["params"]:
+            owner = next((ms for ms in opt_state.model_states if ms.owns(p)), None)
+            if p.dtype != torch.bfloat16 or owner is None or p in owner.remainders:
+                continue
+            original = originals.get(p)
+            exact = original is not None and original.dtype == torch.float32 and original.shape == p.shape
+            owner.remainders[p] = split(original if exact else p.detach().float())[1]
+    attach(opt_state, "nearest", None, state_dtype)
+    opt_state._step.model_states = opt_state.model_states

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..core.casting import cast_module_
-from ..core.levels import HALF_DTYPES
+from ..core.levels import HALF_DTYPES, REMAINDER
 from ..core.rounding import StochasticRounder
 from ..core.run import Run
 from ..core.scaler import LossScaler
@@ -25,7 +25,9 @@ def apply(plan: Plan) -> Run:
               optimizer_names=[type(o).__name__ for o in plan.request.optimizers])
     # Masters start from the fp32 values, not from the rounded half copies: keep the
     # pre-cast tensors (no copy; the cast rebinds .data).
-    originals = {p: p.data for m in plan.request.models for p in m.parameters()} if plan.use_masters else {}
+    remainder = props.master_weights == REMAINDER and props.cast_model_type in HALF_DTYPES
+    keep = plan.use_masters or remainder
+    originals = {p: p.data for m in plan.request.models for p in m.parameters()} if keep else {}
     for m in plan.request.models:
         _prepare(m, plan, run)
     model_states = [m._ampkit for m in plan.request.models]
@@ -36,7 +38,9 @@ def apply(plan: Plan) -> Run:
     ]
     for opt in plan.request.optimizers:
         OptimizerState(opt, run, plan.use_masters, model_states, originals).attach()
-        if props.update_rounding:
+        if remainder:
+            transient_update.attach_remainders(opt._ampkit, originals, props.optimizer_state_dtype)
+        elif props.update_rounding:
             transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
     originals.clear()
     return run

@@ -57,7 +57,12 @@ def make_plan(request: Request) -> Plan:
             f"Use opt_level='O5' with fsdp=True (the sharded fp32 parameters are the masters), or O7 without fsdp."
         )
     exclude = _fp8_exclude(models, props, opts["fp8_exclude"])
-    use_masters = bool(props.master_weights) and props.cast_model_type in levels.HALF_DTYPES and sharding is None
+    if sharding is not None and props.master_weights == levels.REMAINDER:
+        raise ValueError(
+            "initialize(fsdp=True): master_weights='remainder' is not available with FSDP2 yet; with fsdp=True the "
+            "sharded fp32 parameters are the masters already (O5)."
+        )
+    use_masters = props.master_weights is True and props.cast_model_type in levels.HALF_DTYPES and sharding is None
     if sharding is not None:
         infos += sharding.notes
     return Plan(request, defaults, props, applied, tuple(notes), tuple(infos), sharding, exclude, use_masters,

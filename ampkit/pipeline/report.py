@@ -74,7 +74,10 @@ def summary(props, use_masters: bool) -> str:
         parts[0] += " (BatchNorm float32)"
     if props.patch_torch_functions:
         parts.append(f"autocast to {levels._show(props.half_dtype)}")
-    parts.append("fp32 master weights" if use_masters else "no master weights")
+    if props.master_weights == levels.REMAINDER and cast == torch.bfloat16:
+        parts.append("fp32 master weights as bf16 weight + 16-bit remainder")
+    else:
+        parts.append("fp32 master weights" if use_masters else "no master weights")
     scale = props.loss_scale
     parts.append("dynamic loss scale" if scale == "dynamic" else f"static loss scale {scale}")
     return ", ".join(parts)
