@@ -2,7 +2,7 @@
 import itertools
 import math
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from ..text_table import format_table
 from . import html
 from .measure import DYNAMIC_START, Measurements, measure
 from .verdicts import (
-    BY_KEY, METRICS, MODULE, PREFERENCES, Metric, Recommendation, Row, Verdict, checks, recommend, rows, settled_scale,
+    BY_KEY, METRICS, MODULE, PREFERENCES, SEVERITY_RANK, Metric, Recommendation, Row, Verdict, checks, recommend, rows, settled_scale,
     verdict,
 )
 
@@ -49,13 +49,18 @@ class PrecisionReport:
     def __init__(self, measurements: Measurements, levels: Sequence[str], caps: Capabilities):
         self.measurements, self.levels, self.capabilities = measurements, tuple(levels), caps
         self.settled_scale = settled_scale(measurements)
-        keys = {key for lvl in self.levels for key, _, _ in checks(OPT_LEVELS[lvl], self.settled_scale)}
-        self.metrics: List[Metric] = [m for m in METRICS if m.key in keys]
+        rank: Dict[str, int] = {}  # metric -> its gravest severity at these levels
+        for lvl in self.levels:
+            for key, severity, _ in checks(OPT_LEVELS[lvl], self.settled_scale):
+                rank[key] = max(rank.get(key, 0), SEVERITY_RANK[severity])
+        self.metrics: List[Metric] = [m for m in METRICS if m.key in rank]
         table = rows(measurements)
         order = {r.name: i for i, r in enumerate(table)}
 
         def worst(r: Row):
-            return (-sum(r.over(m.key) for m in self.metrics), -max(_ratio(r, m.key) for m in self.metrics), order[r.name])
+            over = [m.key for m in self.metrics if r.over(m.key)]
+            return (-max((rank[k] for k in over), default=0), -len(over),
+                    -max(_ratio(r, m.key) for m in self.metrics), order[r.name])
 
         self.rows: List[Row] = sorted(table, key=worst)
         self._all = {lvl: verdict(lvl, self.rows, self.settled_scale) for lvl in dict.fromkeys(("O0", *self.levels))}

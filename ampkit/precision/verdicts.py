@@ -16,6 +16,7 @@ from ..opt_levels import OPT_LEVELS, Properties
 from .measure import DYNAMIC_START, FP16_OVERFLOW, SCALE_EXPONENTS, Measurements, Stats
 
 FAILS, WARNS, NOTE = "fails", "warns", "note"
+SEVERITY_RANK = {NOTE: 1, WARNS: 2, FAILS: 3}
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LONG = {"fp16": "float16", "bf16": "bfloat16"}
 MODULE, PARAMETER = "module", "parameter"
