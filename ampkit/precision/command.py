@@ -50,7 +50,7 @@ def main_report(argv: Optional[List[str]] = None) -> int:
     for name in names:
         report = demo_report(name)
         rec = report.recommend()
-        print(f"== {name} ==\n{report}\n\nRecommended: {rec.level}. {rec.reason}\n")
+        print(f"== {name} ==\n{report}\n\nRecommended: {rec.level}: {rec.reason}\n")
         if args.html:
             target = Path(args.html)
             if len(names) > 1:

@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import List
 
 CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2330; }
+body { font: 13px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2330; }
 h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 22px 0 8px; }
 .meta { color: #555; max-width: 1100px; }
 .rec { background: #eef6ee; border-left: 4px solid #3a8a3a; padding: 8px 12px; max-width: 1100px; }
 ul.verdicts { padding: 0; list-style: none; } ul.verdicts li { margin: 3px 0; padding: 3px 8px; border-radius: 3px; }
 li.clean { background: #eef6ee; } li.warns { background: #fff6df; } li.fails { background: #fde8e8; }
-table { border-collapse: collapse; } th, td { padding: 3px 6px; border-bottom: 1px solid #e3e5ea; text-align: left; }
-th { font-size: 12px; background: #f4f5f8; position: sticky; top: 0; }
+table { border-collapse: collapse; } th, td { padding: 3px 4px; border-bottom: 1px solid #e3e5ea; text-align: left; }
+th { font-size: 11px; background: #f4f5f8; position: sticky; top: 0; max-width: 56px; }
 td.name { font-family: ui-monospace, monospace; white-space: nowrap; } td.type { color: #666; white-space: nowrap; }
-.bar { position: relative; width: 110px; height: 16px; background: #f0f1f4; }
+.bar { position: relative; width: 56px; height: 16px; background: #f0f1f4; }
 .bar .fill { position: absolute; left: 0; top: 0; bottom: 0; background: #7fb27f; }
 .bar.over .fill { background: #d9534f; }
 .bar .limit { position: absolute; left: 50%; top: 0; bottom: 0; border-left: 1px dashed #888; }
@@ -38,8 +38,9 @@ def _cell(value, metric: dict) -> str:
     if value is None:
         return '<td class="na">-</td>'
     over = value > metric["limit"]
-    label = "0" if value == 0 else f"{100 * value:.3g}%"
-    return (f'<td><div class="bar{" over" if over else ""}" title="{escape(metric["text"])}">'
+    exact = "0" if value == 0 else f"{100 * value:.3g}%"
+    label = "&lt;0.01%" if 0 < value < 1e-4 else exact
+    return (f'<td><div class="bar{" over" if over else ""}" title="{exact}: {escape(metric["text"])}">'
             f'<div class="fill" style="width:{_width(value, metric["limit"]):.1f}%"></div><div class="limit"></div>'
             f"<span>{label}</span></div></td>")
 
@@ -65,7 +66,7 @@ def render(data: dict) -> str:
         '<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8">',
         "<title>ampkit precision report</title>", f"<style>{CSS}</style></head><body>",
         "<h1>ampkit precision report</h1>", f'<p class="meta">{escape(data["summary"])}</p>',
-        "<h2>Recommendation</h2>", f'<p class="rec"><b>{escape(rec["level"])}</b> &mdash; {escape(rec["reason"])}</p>',
+        "<h2>Recommendation</h2>", f'<p class="rec"><b>{escape(rec["level"])}</b>: {escape(rec["reason"])}</p>',
         "<h2>Verdicts</h2>", f'<ul class="verdicts">{verdicts}</ul>',
         "<h2>Layers, worst first</h2>",
         '<p class="meta">Each bar is a share of elements; the dashed line marks the limit above which it is a finding (red).</p>',

@@ -180,6 +180,14 @@ def _count(names: Sequence[str], kind: str) -> str:
     return f"{len(names)} {noun}{'s' if len(names) != 1 else ''}"
 
 
+SHOWN = 8  # names listed in a finding's text (Finding.layers has them all)
+
+
+def _names(names: Sequence[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
 def verdict(level: str, table: List[Row], settled: float) -> Verdict:
     """What ``level`` would do to this model, from the rows' figures."""
     findings = []
@@ -187,7 +195,7 @@ def verdict(level: str, table: List[Row], settled: float) -> Verdict:
         for kind in (MODULE, PARAMETER):
             names = tuple(r.name for r in table if r.kind == kind and r.over(key))
             if names:
-                findings.append(Finding(severity, key, names, text.format(n=_count(names, kind)) + ": " + ", ".join(names)))
+                findings.append(Finding(severity, key, names, text.format(n=_count(names, kind)) + ": " + _names(names)))
     return Verdict(level, tuple(findings))
 
 
@@ -226,13 +234,13 @@ def preference(caps: Capabilities, prefer: str) -> List[str]:
 
 def _why(level: str, caps: Capabilities, prefer: str) -> str:
     if prefer == "memory":
-        return (f"{level} keeps the least memory that this model's numbers allow"
+        return ("The least memory that this model's numbers allow"
                 + (" (bf16 weights without fp32 masters)" if level == "O7" else "") + f", on {caps.line()}.")
     if level == "O0":
-        return (f"O0: half precision is emulated on {caps.line()}, so every half level runs slower than O0; "
+        return (f"Half precision is emulated on {caps.line()}, so every half level runs slower than O0; "
                 f"recommend(prefer='memory') names a level that saves memory.")
     native = "fp8 matmuls and bfloat16 run" if level == "O6" else "bfloat16 runs" if level in ("O4", "O5") else "float16 runs"
-    return f"{level}: {native} natively on {caps.line()}."
+    return f"{native[0].upper()}{native[1:]} natively on {caps.line()}."
 
 
 def _blocking(level: str, v: Verdict) -> Tuple[List[Finding], Tuple[str, ...]]:
