@@ -1,4 +1,5 @@
 """``precision_report``: which layers of *this* model each opt level would hurt, and the level to use."""
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -112,13 +113,20 @@ class PrecisionReport:
             "optimizer": m.optimizer, "losses": list(m.losses), "applied": list(m.applied),
             "dynamic_scale": {"start": DYNAMIC_START, "settled": self.settled_scale},
             "metrics": [{"key": x.key, "header": x.header, "limit": x.limit, "text": x.text} for x in self.metrics],
-            "layers": [{"name": r.name, "kind": r.kind, "type": r.type, "findings": self.findings(r),
-                        "values": {x.key: r.values.get(x.key) for x in self.metrics}} for r in self.rows],
+            "layers": [self._layer(r) for r in self.rows],
             "verdicts": [{"level": v.level, "status": v.status, "line": v.line(),
                           "findings": [{"severity": f.severity, "metric": f.metric, "layers": list(f.layers), "text": f.text}
                                        for f in v.findings]} for v in self.verdicts.values()],
             "recommendation": self.recommend().to_dict(),
         }
+
+    def _layer(self, r: Row) -> dict:
+        out = {"name": r.name, "kind": r.kind, "type": r.type, "findings": self.findings(r),
+               "values": {x.key: r.values.get(x.key) for x in self.metrics}}
+        fp8 = self.measurements.fp8.get(r.name) if r.kind == MODULE else None
+        if fp8 is not None and "fp8_error" in out["values"]:
+            out["fp8"] = dataclasses.asdict(fp8)  # matmul error and the shares fp8 flushes to zero
+        return out
 
     def to_html(self, path) -> Path:
         """Write the report as one self-contained HTML page (inline CSS, no script, no external reference)."""

@@ -233,12 +233,14 @@ def preference(caps: Capabilities, prefer: str) -> List[str]:
 
 
 def _why(level: str, caps: Capabilities, prefer: str) -> str:
+    if level == "O0" and prefer == "speed" and not (caps.native_bf16 or caps.native_fp16):
+        return (f"Half precision is emulated on {caps.line()}, so every half level runs slower than O0; "
+                f"recommend(prefer='memory') names a level that saves memory.")
+    if level == "O0":
+        return f"No half-precision level that this report judged suits this model on {caps.line()}."
     if prefer == "memory":
         return ("The least memory that this model's numbers allow"
                 + (" (bf16 weights without fp32 masters)" if level == "O7" else "") + f", on {caps.line()}.")
-    if level == "O0":
-        return (f"Half precision is emulated on {caps.line()}, so every half level runs slower than O0; "
-                f"recommend(prefer='memory') names a level that saves memory.")
     native = "fp8 matmuls and bfloat16 run" if level == "O6" else "bfloat16 runs" if level in ("O4", "O5") else "float16 runs"
     return f"{native[0].upper()}{native[1:]} natively on {caps.line()}."
 
@@ -266,8 +268,9 @@ def _accepted(level: str, v: Verdict, keep: Tuple[str, ...], caps: Capabilities,
 def recommend(verdicts: Dict[str, Verdict], caps: Capabilities, prefer: str) -> Recommendation:
     """The first level of :func:`preference` among ``verdicts`` that nothing rules out; O0 at worst
     (nothing but NaN/inf already in fp32 fails there, and that rules no level out)."""
-    notes: List[str] = []
-    for level in [lvl for lvl in preference(caps, prefer) if lvl in verdicts and lvl != "O0"]:
+    order = [lvl for lvl in preference(caps, prefer) if lvl != "O0"]
+    notes = [f"{lvl} was not judged (pass it in levels)." for lvl in order if lvl not in verdicts]
+    for level in [lvl for lvl in order if lvl in verdicts]:
         blocking, keep = _blocking(level, verdicts[level])
         if not blocking:
             return _accepted(level, verdicts[level], keep, caps, prefer, notes)

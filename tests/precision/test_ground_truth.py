@@ -65,6 +65,10 @@ def test_keep_fp32_recommendation_trains_at_o1():
     assert (rec.level, rec.keep_fp32, rec.fp8_exclude) == ("O1", ("mid",), ())
     assert "O2 is ruled out: activations overflow fp16 in 1 layer" in rec.reason
     assert report.recommend(capabilities=GPU).level == "O6"
+    narrow = precision_report(net, M.loss_fn, M.batches(), M.adam(net), levels=["O2", "O5"])
+    rec = narrow.recommend(capabilities=FP16_ONLY)
+    assert rec.level == "O0" and rec.reason.startswith("No half-precision level that this report judged suits")
+    assert "O1 was not judged (pass it in levels). O2 is ruled out: activations overflow fp16" in rec.reason
     net.mid_fp32 = True  # what keep_fp32 says: mid's forward under ampkit.disable_casts()
     assert train(net, "O1")[1] == 0
 

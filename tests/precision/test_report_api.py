@@ -156,6 +156,9 @@ def test_to_dict_is_json_ready_and_complete():
     assert data["verdicts"][1]["status"] == "fails" and data["verdicts"][4]["line"].startswith("O5: ")
     assert data["recommendation"]["level"] == report.recommend().level
     assert data["dynamic_scale"] == {"start": 65536.0, "settled": report.settled_scale}
+    fp8 = {x["name"]: x["fp8"] for x in data["layers"] if "fp8" in x}
+    assert set(fp8) == {"inp", "mid"} and fp8["mid"]["matmul_error"] == report.measurements.fp8["mid"].matmul_error
+    assert set(fp8["mid"]) == {"matmul_error", "input_flush", "weight_flush", "grad_flush"}
     with pytest.raises(ValueError, match=r"recommend\(prefer='fast'\): expected one of 'speed', 'memory'"):
         report.recommend("fast")
 
