@@ -1,0 +1,202 @@
+"""``precision_report``: which layers of *this* model each opt level would hurt, and the level to use."""
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..float8 import eligible
+from ..hardware import Capabilities, capabilities, model_device
+from ..opt_levels import OPT_LEVELS
+from . import html
+from .measure import DYNAMIC_START, Measurements, measure
+from .verdicts import (
+    BY_KEY, METRICS, MODULE, PREFERENCES, SEVERITY_RANK, Metric, Recommendation, Row, checks, recommend, rows, settled_scale,
+    verdict,
+)
+
+STEPS = 2  # fp32 training steps measured (one per batch)
+DEFAULT_LEVELS = ("O1", "O2", "O3", "O4", "O5", "O6", "O7")
+
+
+def _ratio(row: Row, key: str) -> float:
+    value, limit = row.values.get(key) or 0.0, BY_KEY[key].limit
+    return value / limit if limit else (math.inf if value > 0 else 0.0)
+
+
+def _aligned(head: List[str], body: List[List[str]]) -> str:
+    """Columns two spaces apart under a dashed rule; the first two left-aligned, the figures right-aligned."""
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(row) for row in body])
+
+
+def _show(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return "0" if value == 0 else f"{100 * value:.3g}%"
+
+
+class PrecisionReport:
+    """What :func:`precision_report` measured, worst layers first.
+
+    ``print(report)`` shows the table and a verdict per level; :meth:`recommend` picks a level;
+    :meth:`to_dict`, :meth:`to_html` and :meth:`plot` export it.
+
+    Attributes:
+        levels: the levels judged. capabilities: the device's half-precision support.
+        settled_scale: where a dynamic fp16 loss scale starting at 2**16 settles on these gradients.
+        metrics: the columns the levels depend on. rows: one per leaf module and per parameter, worst first.
+        verdicts: level -> :class:`Verdict`.
+    """
+
+    def __init__(self, measurements: Measurements, levels: Sequence[str], caps: Capabilities):
+        self.measurements, self.levels, self.capabilities = measurements, tuple(levels), caps
+        self.settled_scale = settled_scale(measurements)
+        rank: Dict[str, int] = {}  # metric -> its gravest severity at these levels
+        for lvl in self.levels:
+            for key, severity, _ in checks(OPT_LEVELS[lvl], self.settled_scale):
+                rank[key] = max(rank.get(key, 0), SEVERITY_RANK[severity])
+        self.metrics: List[Metric] = [m for m in METRICS if m.key in rank]
+        table = rows(measurements)
+        order = {r.name: i for i, r in enumerate(table)}
+
+        def worst(r: Row):
+            over = [m.key for m in self.metrics if r.over(m.key)]
+            return (-max((rank[k] for k in over), default=0), -len(over),
+                    -max(_ratio(r, m.key) for m in self.metrics), order[r.name])
+
+        self.rows: List[Row] = sorted(table, key=worst)
+        self._all = {lvl: verdict(lvl, self.rows, self.settled_scale) for lvl in dict.fromkeys(("O0", *self.levels))}
+        self.verdicts = {lvl: self._all[lvl] for lvl in self.levels}
+
+    def findings(self, row: Row) -> List[str]:
+        """The metrics (of this report's levels) over their limit in ``row``."""
+        return [m.key for m in self.metrics if row.over(m.key)]
+
+    def table(self) -> str:
+        """The rows as an aligned text table, worst first."""
+        head = ["layer", "type"] + [m.header for m in self.metrics]
+        body = [[r.name or "(model)", r.type if r.kind == MODULE else f"{r.type} param"]
+                + [_show(r.values.get(m.key)) for m in self.metrics] for r in self.rows]
+        return _aligned(head, body)
+
+    def _summary(self) -> str:
+        m = self.measurements
+        steps = ", ".join(f"{loss:.4g}" + ("" if ok else " (not applied: non-finite)") for loss, ok in zip(m.losses, m.applied))
+        return (f"{len(m.losses)} fp32 training step(s) on a copy, optimizer {m.optimizer}, loss {steps}; "
+                f"{self.capabilities.line()}. A dynamic fp16 loss scale would settle at {self.settled_scale:g} "
+                f"(from {DYNAMIC_START:g}).")
+
+    def __str__(self) -> str:
+        legend = [f"  {m.header}: {m.text} (a finding above {m.limit:.3g})" for m in self.metrics]
+        lines = [f"  {v.line()}" for v in self.verdicts.values()]
+        return "\n".join([self._summary(), "", self.table(), "", "Columns, as shares of elements:", *legend, "",
+                          "Verdicts:", *lines])
+
+    def recommend(self, prefer: str = "speed", capabilities: Optional[Capabilities] = None) -> Recommendation:
+        """The level for this model on this machine (``capabilities``: another device's, to ask "what if").
+
+        ``prefer="speed"``: the fastest level the numbers allow where half precision runs natively
+        (O6 with native fp8, else O5, O4; O2, O1 on float16-only devices), O0 where it is emulated.
+        ``prefer="memory"``: O7, O5, O2, O4, O1 in that order, wherever half is native or not.
+        A level is ruled out by activations that overflow its half dtype (at O1/O4 those layers
+        go to ``keep_fp32`` instead) or gradients that overflow an unscaled fp16 step; only
+        levels this report judged are considered, and O0 is the fallback.
+        """
+        if prefer not in PREFERENCES:
+            raise ValueError(f"recommend(prefer={prefer!r}): expected one of {', '.join(map(repr, PREFERENCES))}.")
+        return recommend(self._all, capabilities or self.capabilities, prefer)
+
+    def to_dict(self) -> dict:
+        """Everything in the report as plain JSON-ready data."""
+        m = self.measurements
+        return {
+            "summary": self._summary(), "device": self.capabilities.line(), "levels": list(self.levels),
+            "optimizer": m.optimizer, "losses": list(m.losses), "applied": list(m.applied),
+            "dynamic_scale": {"start": DYNAMIC_START, "settled": self.settled_scale},
+            "metrics": [{"key": x.key, "header": x.header, "limit": x.limit, "text": x.text} for x in self.metrics],
+            "layers": [self._layer(r) for r in self.rows],
+            "verdicts": [{"level": v.level, "status": v.status, "line": v.line(),
+                          "findings": [{"severity": f.severity, "metric": f.metric, "layers": list(f.layers), "text": f.text}
+                                       for f in v.findings]} for v in self.verdicts.values()],
+            "recommendation": self.recommend().to_dict(),
+        }
+
+    def _layer(self, r: Row) -> dict:
+        out = {"name": r.name, "kind": r.kind, "type": r.type, "findings": self.findings(r),
+               "values": {x.key: r.values.get(x.key) for x in self.metrics}}
+        fp8 = self.measurements.fp8.get(r.name) if r.kind == MODULE else None
+        if fp8 is not None and "fp8_error" in out["values"]:
+            out["fp8"] = dataclasses.asdict(fp8)  # matmul error and the shares fp8 flushes to zero
+        return out
+
+    def to_html(self, path) -> Path:
+        """Write the report as one self-contained HTML page (inline CSS, no script, no external reference)."""
+        path = Path(path)
+        path.write_text(html.render(self.to_dict()), encoding="utf-8")
+        return path
+
+    def plot(self, path) -> Path:
+        """Write a PNG heat map of the figures (layers x columns); needs matplotlib."""
+        return html.plot(self.to_dict(), Path(path))
+
+
+def _check_levels(levels) -> tuple:
+    accepted = ", ".join(repr(k) for k in OPT_LEVELS)
+    if levels is None:
+        return DEFAULT_LEVELS
+    if isinstance(levels, (list, tuple)) and levels and all(isinstance(x, str) and x in OPT_LEVELS for x in levels):
+        return tuple(dict.fromkeys(levels))
+    raise ValueError(f"precision_report(levels={levels!r}): expected None (all of O1-O7) or a non-empty list of "
+                     f"opt level names, from {accepted}.")
+
+
+def _check_optimizer(model: nn.Module, optimizer) -> None:
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"precision_report(optimizer=...): expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}.")
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ValueError(f"precision_report(optimizer=...): holds {foreign} parameter(s) that are not the model's.")
+
+
+def _first_batches(batches) -> list:
+    try:
+        it = iter(batches)
+    except TypeError:
+        raise TypeError(f"precision_report(batches=...): expected an iterable of batches, got {type(batches).__name__}.") from None
+    taken = list(itertools.islice(it, STEPS))
+    if not taken:
+        raise ValueError("precision_report(batches=...): expected at least one batch, got none.")
+    return taken
+
+
+def precision_report(model: nn.Module, loss_fn: Callable, batches: Iterable, optimizer=None, levels=None) -> PrecisionReport:
+    """Measure, on a copy of ``model``, which layers each opt level would hurt.
+
+    Runs one fp32 training step on each of the first two batches of ``batches`` (one if there
+    is only one; an iterator is advanced by that much), on deep copies of ``model`` (in train
+    mode) and ``optimizer`` (SGD with lr 1e-3 when None); a step whose gradients are not
+    finite is not applied. ``loss_fn(model, batch)`` returns a scalar loss tensor. The model,
+    the optimizer and the random number generators are left exactly as they were.
+    ``levels``: the opt levels to judge (default O1-O7).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"precision_report(model=...): expected an nn.Module, got {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise TypeError(f"precision_report(loss_fn=...): expected a callable loss_fn(model, batch), got {type(loss_fn).__name__}.")
+    levels = _check_levels(levels)
+    _check_optimizer(model, optimizer)
+    taken = _first_batches(batches)
+    fp8_names = eligible(model) if any(OPT_LEVELS[lvl].fp8 for lvl in levels) else []
+    measured = measure(model, loss_fn, taken, optimizer, fp8_names)
+    return PrecisionReport(measured, levels, capabilities(model_device(model) or "cpu"))

@@ -1,0 +1,187 @@
+"""precision_report's contract: exact counts, the user's objects untouched, validation, the text,
+the JSON, the command."""
+import copy
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampkit.precision import main_report, precision_report
+from ampkit.precision.measure import EDGE_INDEX, Stats, _Acc, EDGES
+
+from . import _models as M
+
+
+@pytest.mark.parametrize("scale_exp", [16, 8, 0, -10, -24])
+def test_counts_match_real_rounding_at_every_scale(scale_exp):
+    scale = 2.0 ** scale_exp
+    g = torch.Generator().manual_seed(scale_exp + 100)
+    x = torch.randn(4000, generator=g) * torch.pow(2.0, torch.randint(-60, 40, (4000,), generator=g).float())
+    edges = torch.tensor(EDGES)
+    x = torch.cat([x, edges / scale, -torch.nextafter(edges, torch.tensor(0.0)) / scale, torch.zeros(7),
+                   torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    acc = _Acc()
+    acc.add(x, torch.tensor(EDGES, dtype=torch.float32))
+    stats = acc.stats()
+    finite = torch.isfinite(x)
+    half = (x * scale).half()
+    assert stats.numel == x.numel() and stats.nonfinite == (~finite).sum().item() >= 3
+    assert stats.zeros == (x == 0).sum().item() >= 7
+    assert stats.overflow("float16", scale) * x.numel() == (finite & torch.isinf(half)).sum().item()
+    assert stats.flush("float16", scale) * x.numel() == (finite & (x != 0) & (half == 0)).sum().item()
+    if scale == 1.0:
+        bf = x.bfloat16()
+        assert stats.overflow("bfloat16") * x.numel() == (finite & torch.isinf(bf)).sum().item()
+        assert stats.flush("bfloat16") * x.numel() == (finite & (x != 0) & (bf == 0)).sum().item()
+
+
+def test_stats_refuse_a_scale_they_did_not_count():
+    stats = Stats(1, 0, 0, 1.0, [0] * len(EDGES))
+    with pytest.raises(ValueError, match=r"scale=3: expected a power of two from 2\*\*-24 to 2\*\*16"):
+        stats.overflow("float16", 3)
+    assert ("float16", "overflow", 16) in EDGE_INDEX
+
+
+class Mixed(nn.Module):
+    """Dropout (uses the RNG), BatchNorm (buffers), a dict batch and a tuple output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(M.WIDTH, M.WIDTH)
+        self.bn = nn.BatchNorm1d(M.WIDTH)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(M.WIDTH, M.CLASSES)
+
+    def forward(self, x):
+        h = self.drop(self.bn(self.fc(x)))
+        return self.head(h), h
+
+
+def mixed_loss(model, batch):
+    logits, _ = model(batch["x"])
+    return F.cross_entropy(logits, batch["y"])
+
+
+def dict_batches(n=2):
+    return [{"x": x, "y": y} for x, y in M.batches(n)]
+
+
+def snapshot(model, opt):
+    return {"params": {k: v.clone() for k, v in model.named_parameters()},
+            "buffers": {k: v.clone() for k, v in model.named_buffers()},
+            "grads": {k: v.grad.clone() for k, v in model.named_parameters()},
+            "opt": copy.deepcopy(opt.state_dict()), "rng": torch.get_rng_state(), "training": model.training}
+
+
+def same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def test_the_users_model_optimizer_and_rng_are_left_exactly_as_they_were():
+    model = Mixed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixed_loss(model, dict_batches(1)[0]).backward()
+    opt.step()  # Adam state exists; the grads stay on the parameters
+    model.eval()
+    before = snapshot(model, opt)
+    report = precision_report(model, mixed_loss, iter(dict_batches(3)), opt)
+    assert same(snapshot(model, opt), before)
+    assert report.measurements.optimizer == "AdamW" and len(report.measurements.losses) == 2
+    assert {"fc", "bn", "drop", "head"} <= {r.name for r in report.rows}
+
+
+def test_default_optimizer_and_one_batch():
+    report = precision_report(M.Net(), M.loss_fn, M.batches(1))
+    assert report.measurements.optimizer == "SGD(lr=0.001) (no optimizer given)"
+    assert report.measurements.applied == [True]
+    assert "optimizer SGD(lr=0.001) (no optimizer given)" in str(report)
+
+
+def test_an_iterator_is_advanced_by_two_batches_only():
+    it = iter(M.batches(4))
+    precision_report(M.Net(), M.loss_fn, it)
+    assert len(list(it)) == 2
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"model": "net"}, TypeError, r"precision_report\(model=...\): expected an nn.Module, got str"),
+    ({"loss_fn": 3}, TypeError, r"precision_report\(loss_fn=...\): expected a callable loss_fn\(model, batch\), got int"),
+    ({"batches": 5}, TypeError, r"precision_report\(batches=...\): expected an iterable of batches, got int"),
+    ({"batches": []}, ValueError, r"precision_report\(batches=...\): expected at least one batch"),
+    ({"levels": "O2"}, ValueError, r"precision_report\(levels='O2'\): expected None .* from 'O0', 'O1', .*'O7'"),
+    ({"levels": ["O2", "O8"]}, ValueError, r"precision_report\(levels=\['O2', 'O8'\]\)"),
+    ({"levels": []}, ValueError, r"precision_report\(levels=\[\]\)"),
+    ({"optimizer": "adam"}, TypeError, r"precision_report\(optimizer=...\): expected a torch.optim.Optimizer or None, got str"),
+    ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)}, ValueError, r"holds 2 parameter\(s\) that are not the model's"),
+    ({"loss_fn": lambda m, b: 1.0}, TypeError, r"loss_fn\(model, batch\) must return a scalar floating tensor, got float"),
+    ({"loss_fn": lambda m, b: m(b[0])}, TypeError, r"got a tensor of shape \(16, 4\)"),
+    ({"loss_fn": lambda m, b: m(b[0]).detach().sum()}, ValueError, r"the loss does not require grad"),
+])
+def test_bad_input_names_the_argument(kwargs, error, message):
+    args = {"model": M.Net(), "loss_fn": M.loss_fn, "batches": M.batches(), **kwargs}
+    with pytest.raises(error, match=message):
+        precision_report(**args)
+
+
+def test_text_table_is_aligned_worst_first_and_limited_to_the_levels():
+    net = M.overflow_net()
+    report = precision_report(net, M.loss_fn, M.batches(), M.adam(net), levels=["O2", "O5"])
+    lines = report.table().splitlines()
+    assert lines[0].split()[:2] == ["layer", "type"] and set(lines[1].replace(" ", "")) == {"-"}
+    assert lines[2].split()[:2] == ["mid", "Linear"]  # the worst row first
+    assert all(len(line) <= len(lines[1]) for line in lines)
+    assert "act ovf16" in lines[0] and "lost bf16" not in lines[0] and "fp8 err" not in lines[0]
+    text = str(report)
+    assert list(report.verdicts) == ["O2", "O5"] and "  O5: clean" in text
+    assert "  O2: activations overflow fp16 in 1 layer (inf in the forward pass: every step is skipped): mid" in text
+
+
+def test_to_dict_is_json_ready_and_complete():
+    net = M.overflow_net()
+    report = precision_report(net, M.loss_fn, M.batches(), M.adam(net))
+    data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert data["levels"] == ["O1", "O2", "O3", "O4", "O5", "O6", "O7"]
+    assert [x["name"] for x in data["layers"]] == [r.name for r in report.rows]
+    assert data["layers"][0]["name"] == "mid" and "act_overflow_fp16" in data["layers"][0]["findings"]
+    assert [v["level"] for v in data["verdicts"]] == data["levels"]
+    assert data["verdicts"][1]["status"] == "fails" and data["verdicts"][4]["line"].startswith("O5: ")
+    assert data["recommendation"]["level"] == report.recommend().level
+    assert data["dynamic_scale"] == {"start": 65536.0, "settled": report.settled_scale}
+    fp8 = {x["name"]: x["fp8"] for x in data["layers"] if "fp8" in x}
+    assert set(fp8) == {"inp", "mid"} and fp8["mid"]["matmul_error"] == report.measurements.fp8["mid"].matmul_error
+    assert set(fp8["mid"]) == {"matmul_error", "input_flush", "weight_flush", "grad_flush"}
+    with pytest.raises(ValueError, match=r"recommend\(prefer='fast'\): expected one of 'speed', 'memory'"):
+        report.recommend("fast")
+
+
+def test_plot_without_matplotlib_names_the_install(monkeypatch, tmp_path):
+    report = precision_report(M.Net(), M.loss_fn, M.batches(1))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        report.plot(tmp_path / "r.png")
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (ampkit[bench])")
+    report = precision_report(M.Net(), M.loss_fn, M.batches(1))
+    assert report.plot(tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_prints_the_cnn_report_and_writes_html(capsys, tmp_path):
+    assert main_report(["--model", "cnn", "--html", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== cnn ==") and "Verdicts:" in out and "Recommended: O" in out
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+    with pytest.raises(SystemExit):
+        main_report(["--model", "rnn"])
