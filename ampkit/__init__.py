@@ -24,6 +24,7 @@ _EXPORTS = {
     "capabilities": "install.hardware", "Capabilities": "install.hardware",
     "checkpoint": "", "normalization": "", "parallel": "", "surgery": "", "fp16_utils": "",
     "float8": "", "footprint": "", "stochastic_rounding": "",
+    "precision_report": "api.precision", "PrecisionReport": "api.precision",
     "_amp_state": "api.apex_state",  # Apex's amp._amp_state, read-only
 }
 

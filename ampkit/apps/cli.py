@@ -41,7 +41,7 @@ def _device(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ampkit", description="Apex-style mixed precision (O0-O5) on modern PyTorch.")
+    p = argparse.ArgumentParser(prog="ampkit", description="Apex-style mixed precision (O0-O7) on modern PyTorch.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the built-in models at every opt level and print one table")
@@ -54,11 +54,19 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", type=_device, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     demo.add_argument("--json", metavar="PATH", help="also write the machine description and the rows as JSON")
     sub.add_parser("levels", help="print the opt-level property table")
+    sub.add_parser("report", add_help=False,
+                   help="which layers of the demo models each opt level would hurt (ampkit report --help)")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    args, rest = parser().parse_known_args(argv)
+    if args.command == "report":
+        from .report import main_report
+
+        return main_report(rest)
+    if rest:
+        parser().error(f"unrecognized arguments: {' '.join(rest)}")
     from ..core import levels
 
     if args.command == "levels":

@@ -9,8 +9,8 @@ import torch
 
 import ampkit
 from ampkit import float8
-from ampkit.hardware import FP8_EMULATED, SLOWER, SPEED, Capabilities
-from ampkit.precision import precision_report
+from ampkit.install.hardware import FP8_EMULATED, SLOWER, SPEED, Capabilities
+from ampkit.api.precision import precision_report
 
 from . import _models as M
 

@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..hardware import SPEED, Capabilities
-from ..opt_levels import OPT_LEVELS, Properties
+from ...install.hardware import SPEED, Capabilities
+from ...core.levels import OPT_LEVELS, Properties
 from .measure import DYNAMIC_START, FP16_OVERFLOW, SCALE_EXPONENTS, Measurements, Stats
 
 FAILS, WARNS, NOTE = "fails", "warns", "note"

@@ -8,9 +8,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..float8 import eligible
-from ..hardware import Capabilities, capabilities, model_device
-from ..opt_levels import OPT_LEVELS
+from ...install.float8 import eligible
+from ...install.hardware import Capabilities, capabilities, model_device
+from ...core.levels import OPT_LEVELS
 from . import html
 from .measure import DYNAMIC_START, Measurements, measure
 from .verdicts import (

@@ -3,7 +3,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from ampkit.precision import precision_report
+from ampkit.api.precision import precision_report
 
 from . import _models as M
 

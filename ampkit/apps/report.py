@@ -6,8 +6,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
-from .report import PrecisionReport, precision_report
+from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
+from ..api.precision import PrecisionReport, precision_report
 
 MODELS = ("lm", "cnn")
 

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit.precision import main_report, precision_report
-from ampkit.precision.measure import EDGE_INDEX, Stats, _Acc, EDGES
+from ampkit.apps.report import main_report
+from ampkit.api.precision import precision_report
+from ampkit.api.precision.measure import EDGE_INDEX, Stats, _Acc, EDGES
 
 from . import _models as M
 
