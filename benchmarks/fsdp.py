@@ -48,9 +48,9 @@ QUICK = dict(lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=
              speed_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=16, batch=2),
              speed_steps=2, warmup=1)
 # FULL's shapes where bfloat16 is emulated on this CPU (``--size auto``; there a bf16 matmul runs 3-60x
-# slower than fp32): the memory model keeps its >= 50M parameters on 16 tokens a step.
-EMULATED = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=16, batch=1), memory_steps=2,
-                speed_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4), speed_steps=60)
+# slower than fp32): the memory model keeps its >= 50M parameters on 8 tokens a step.
+EMULATED = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=8, batch=1), memory_steps=2,
+                speed_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4), speed_steps=200)
 WORLD = 2
 
 
@@ -199,10 +199,10 @@ def memory_worker(rank, device, variant, cfg, steps, measure):
     """``{"peak_mib": ...}``, with ``missed_mib`` for the live-bytes meter."""
     meter = LiveBytesMeter() if measure == "live" else MemoryMeter(device)
     model, opt = (_ampkit_fsdp if variant == "fsdp" else _ampkit_ddp)(cfg, device)
-    start = time.perf_counter()
+    began = time.perf_counter()
     for i, (x, y) in enumerate(lm_batches(cfg, steps, seed=rank)):
         _ampkit_step(model, opt, x.to(device), y.to(device))
-        _say(rank, f"{variant} step {i + 1}/{steps} ({time.perf_counter() - start:.1f} s)")
+        _say(rank, f"{variant} step {i + 1}/{steps} ({time.perf_counter() - began:.1f} s)")
     _sync(device)
     if measure != "live":
         return {"peak_mib": meter.peak_mib()}
@@ -214,10 +214,10 @@ def memory_worker(rank, device, variant, cfg, steps, measure):
 
 def speed_worker(rank, device, cfg, steps, warmup):
     runs = {"ampkit": (*_ampkit_fsdp(cfg, device), _ampkit_step), "hand": (*_hand_fsdp(cfg, device), _hand_step)}
-    times, start = {k: [] for k in runs}, time.perf_counter()
+    times, began = {k: [] for k in runs}, time.perf_counter()
     for i, (x, y) in enumerate(lm_batches(cfg, warmup + steps, seed=rank)):
-        if (i + 1) % 10 == 0:
-            _say(rank, f"step {i + 1}/{warmup + steps} of each loop ({time.perf_counter() - start:.1f} s)")
+        if (i + 1) % 50 == 0:
+            _say(rank, f"step {i + 1}/{warmup + steps} of each loop ({time.perf_counter() - began:.1f} s)")
         x, y = x.to(device), y.to(device)
         for name, (model, opt, step) in (runs.items() if i % 2 == 0 else reversed(runs.items())):
             _sync(device)
