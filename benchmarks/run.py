@@ -1,11 +1,13 @@
 """ampkit benchmarks: six families measured side by side in one run, tables to stdout, JSON to a file.
 
     python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling,compile]
-                             [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N]
+                             [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N] [--size auto|full|small]
 
 1. overhead: ampkit O1/O4 vs a hand-written torch.autocast + torch.amp.GradScaler loop, and
    O2/O5 vs a hand-written half model + fp32 master loop; per level one fresh process in
-   which the two variants alternate step by step, 3 repeats. Target: median ratio <= 1.02.
+   which the two variants alternate step by step, 3 repeats of 60 steps. The ratio is the median
+   of the per-step ratios (each ampkit step over the hand-written step next to it, so a load that
+   comes and goes hits both). Target: ratio <= 1.02.
 2. speedup: steps/s of O0, O4, O5 on the transformer (d_model 512) and the CNN, each
    repeat of each level in a fresh process, levels interleaved. Target: O5 >= 2.5x O0 (LM).
 3. unscale: ampkit's unscale + overflow check over >= 50M gradient elements (fp32 grads,
@@ -18,7 +20,7 @@
 6. compile: per level, eager ampkit vs compiled ampkit (the README pattern: compiled model,
    eager scale_loss, compiled optimizer step) vs the hand-written loop compiled the same way,
    AdamW, one fresh process per level, the three alternating step by step; then eager vs
-   compiled at O0/O5 on the speed-up family's transformer. O6/O7 have no hand-written loop, and
+   compiled at O0/O5 on the speed-up family's transformer (where O5 is among the levels). O6/O7 have no hand-written loop, and
    at O7 only the model is compiled (the README's pattern there). Targets: compiled ampkit <= 1.02x
    compiled hand-written; O5 compiled >= 1.3x O5 eager (transformer, native-bf16 CPU). On a
    CPU each row also profiles 3 eager and 3 compiled steps, alternating (self CPU time in matmul
@@ -29,6 +31,13 @@
    (28 bytes per parameter at O0 and O5), which takes at least those bytes over the bandwidth
    of a large same-dtype copy measured in the same process.
 
+Every family prints progress lines to stderr as it goes (per level, worker and repeat, with the
+seconds since the family started) and its wall time in its table and the JSON (``wall_s``).
+``--size auto`` (the default) uses the EMULATED shapes for a family whose half dtype
+``ampkit.capabilities()`` calls emulated on this CPU (on AVX2 a bf16 or fp16 matmul runs about 60x
+slower than fp32, and the full shapes took an hour per family); ``full`` and ``small`` force one.
+``--threads`` defaults to torch's threads less one per busy core (1-minute load average): on a
+shared machine a second thread waits for its descheduled partner in every op.
 ``--quick`` shrinks sizes and repeats to check that everything runs (well under a minute); its
 figures are not valid for the targets. Nothing here runs in the unit tests.
 ``benchmarks/plot.py`` draws speed-up and memory per level from the JSON.
