@@ -1,8 +1,12 @@
 """The memory frontier, side by side in one run: O7 (bf16 without masters) and O6 (fp8) against O5.
 
-    python benchmarks/frontier.py [--quick] [--json PATH] [--steps N] [--fp8-steps N]
+    python benchmarks/frontier.py [--quick] [--json PATH] [--steps N] [--fp8-steps N] [--size auto|full|small]
 
-1. compensated bf16: the demo LM (``ampkit.demo.DEMO_LM``; ``--d-model`` for another width)
+Progress lines go to stderr as the runs go, with the seconds since each part started; each part's
+wall time is in its table heading and the JSON (``wall_s``).
+
+1. compensated bf16: the demo LM (``ampkit.demo.DEMO_LM``; ``--d-model`` for another width; where
+   ``ampkit.capabilities()`` calls bfloat16 emulated, ``EMULATED_LM`` unless ``--d-model`` or ``--size full``)
    trained with AdamW for ``--steps`` steps at two learning rates, at O5, O7 (fp32 optimizer state), O7 with bf16 optimizer
    state, and two round-to-nearest controls: O7 with ``update_rounding="nearest"`` (the same
    fp32 update, rounded to nearest) and plain bf16 (O3 with bfloat16: the optimizer steps on

@@ -1,6 +1,10 @@
 """FSDP2 benchmarks on 2 ranks: per-rank peak memory and step time, table to stdout, JSON to a file.
 
-    python benchmarks/fsdp.py [--quick] [--json PATH] [--device cpu|cuda]
+    python benchmarks/fsdp.py [--quick] [--json PATH] [--device cpu|cuda] [--size auto|full|small]
+
+Progress lines go to stderr (per launch, and rank 0 per step or every 50 steps); each family's wall
+time is in its table heading and the JSON (``wall_s``). Where ``ampkit.capabilities()`` calls
+bfloat16 emulated, ``--size auto`` (the default) uses the ``EMULATED`` shapes.
 
 1. memory: per-rank peak memory of O5 on FSDP2 (``initialize(..., fsdp=True)``) vs O5 on DDP
    (``initialize(..., ddp=True)``), AdamW, a transformer LM of >= 50M parameters; each variant
