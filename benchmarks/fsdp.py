@@ -1,6 +1,10 @@
 """FSDP2 benchmarks on 2 ranks: per-rank peak memory and step time, table to stdout, JSON to a file.
 
-    python benchmarks/fsdp.py [--quick] [--json PATH] [--device cpu|cuda]
+    python benchmarks/fsdp.py [--quick] [--json PATH] [--device cpu|cuda] [--size auto|full|small]
+
+Progress lines go to stderr (per launch, and rank 0 per step or every 50 steps); each family's wall
+time is in its table heading and the JSON (``wall_s``). Where ``ampkit.capabilities()`` calls
+bfloat16 emulated, ``--size auto`` (the default) uses the ``EMULATED`` shapes.
 
 1. memory: per-rank peak memory of O5 on FSDP2 (``initialize(..., fsdp=True)``) vs O5 on DDP
    (``initialize(..., ddp=True)``), AdamW, a transformer LM of >= 50M parameters; each variant
@@ -39,7 +43,7 @@ from ampkit.apps.demo import MemoryMeter, machine
 from ampkit.apps.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import finish, table  # noqa: E402  (benchmarks/run.py: the same table and report footer)
+from run import Log, emulated, finish, table  # noqa: E402  (benchmarks/run.py: the same helpers)
 
 FULL = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=32, batch=2), memory_steps=3,
             speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=4, seq_len=64, batch=4),
@@ -47,6 +51,10 @@ FULL = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=
 QUICK = dict(lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=16, batch=2), memory_steps=2,
              speed_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=16, batch=2),
              speed_steps=2, warmup=1)
+# FULL's shapes where bfloat16 is emulated on this CPU (``--size auto``; there a bf16 matmul runs 3-60x
+# slower than fp32): the memory model keeps its >= 50M parameters on 8 tokens a step.
+EMULATED = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=8, batch=1), memory_steps=2,
+                speed_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4), speed_steps=200)
 WORLD = 2
 
 
@@ -122,6 +130,12 @@ def _hand_step(model, opt, x, y):
     opt.step()
 
 
+def _say(rank, text):
+    """Rank 0's progress line (the ranks write to the parent's stderr)."""
+    if rank == 0:
+        print(f"    rank 0: {text}", file=sys.stderr, flush=True)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -189,8 +203,10 @@ def memory_worker(rank, device, variant, cfg, steps, measure):
     """``{"peak_mib": ...}``, with ``missed_mib`` for the live-bytes meter."""
     meter = LiveBytesMeter() if measure == "live" else MemoryMeter(device)
     model, opt = (_ampkit_fsdp if variant == "fsdp" else _ampkit_ddp)(cfg, device)
-    for x, y in lm_batches(cfg, steps, seed=rank):
+    began = time.perf_counter()
+    for i, (x, y) in enumerate(lm_batches(cfg, steps, seed=rank)):
         _ampkit_step(model, opt, x.to(device), y.to(device))
+        _say(rank, f"{variant} step {i + 1}/{steps} ({time.perf_counter() - began:.1f} s)")
     _sync(device)
     if measure != "live":
         return {"peak_mib": meter.peak_mib()}
@@ -202,8 +218,10 @@ def memory_worker(rank, device, variant, cfg, steps, measure):
 
 def speed_worker(rank, device, cfg, steps, warmup):
     runs = {"ampkit": (*_ampkit_fsdp(cfg, device), _ampkit_step), "hand": (*_hand_fsdp(cfg, device), _hand_step)}
-    times = {k: [] for k in runs}
+    times, began = {k: [] for k in runs}, time.perf_counter()
     for i, (x, y) in enumerate(lm_batches(cfg, warmup + steps, seed=rank)):
+        if (i + 1) % 50 == 0:
+            _say(rank, f"step {i + 1}/{warmup + steps} of each loop ({time.perf_counter() - began:.1f} s)")
         x, y = x.to(device), y.to(device)
         for name, (model, opt, step) in (runs.items() if i % 2 == 0 else reversed(runs.items())):
             _sync(device)
@@ -222,12 +240,14 @@ MEASURES = {"cpu": {"live tensor bytes (torch.profiler)": ("live", {}),
             "cuda": {"allocated bytes (torch.cuda.max_memory_allocated)": ("cuda", {})}}
 
 
-def bench_memory(cfg, device_type, threads):
+def bench_memory(cfg, device_type, threads, log):
     rows = []
     for measure, (meter, env) in MEASURES[device_type].items():
         row = {"measure": measure}
         for variant in ("ddp", "fsdp"):
+            log(f"{variant}, {measure}: 2 fresh processes, {cfg['memory_steps']} steps")
             ranks = launch(memory_worker, device_type, threads, variant, cfg["lm"], cfg["memory_steps"], meter, env=env)
+            log(f"{variant}, {measure}: " + " / ".join(f"{r['peak_mib']:.0f}" for r in ranks) + " MiB")
             row[f"{variant}_mib_per_rank"] = [r["peak_mib"] for r in ranks]
             if meter == "live":
                 row[f"{variant}_missed_mib_per_rank"] = [r["missed_mib"] for r in ranks]
@@ -236,11 +256,13 @@ def bench_memory(cfg, device_type, threads):
     out = {"lm": str(cfg["lm"]), "params": sum(p.numel() for p in TinyLM(cfg["lm"]).parameters()), "rows": rows,
            "fsdp_vs_ddp": rows[0]["ratio"]}
     if device_type == "cpu":
+        log("live-bytes meter check: 2 fresh processes")
         out["meter_check"] = launch(meter_check_worker, device_type, threads)
     return out
 
 
-def bench_speed(cfg, device_type, threads):
+def bench_speed(cfg, device_type, threads, log):
+    log(f"ampkit and hand-written FSDP2 alternating: 2 fresh processes, {cfg['warmup']} + {cfg['speed_steps']} steps")
     ranks = launch(speed_worker, device_type, threads, cfg["speed_lm"], cfg["speed_steps"], cfg["warmup"])
     t = ranks[0]  # steps end on a barrier: every rank sees the same step times
     ratios = [a / h for a, h in zip(t["ampkit"], t["hand"])]
@@ -253,7 +275,8 @@ def report(results, quick):
     out = []
     if "memory" in results:
         m = results["memory"]
-        out += [f"\n1. Per-rank peak memory, O5, AdamW, 2 ranks (LM {m['params'] / 1e6:.1f}M params)",
+        out += [f"\n1. Per-rank peak memory, O5, AdamW, 2 ranks (LM {m['params'] / 1e6:.1f}M params, {m['lm']}; "
+                f"{m['sizes']} sizes; {m['wall_s']:.0f} s)",
                 table(m["rows"], [("measure", "measure", "{}"),
                                   ("DDP MiB (rank 0, 1)", lambda r: " ".join(f"{v:.0f}" for v in r["ddp_mib_per_rank"]), "{}"),
                                   ("FSDP2 MiB (rank 0, 1)", lambda r: " ".join(f"{v:.0f}" for v in r["fsdp_mib_per_rank"]), "{}"),
@@ -272,8 +295,8 @@ def report(results, quick):
                     f"worker thread)"]
     if "speed" in results:
         s = results["speed"]
-        out += [f"\n2. Step time on FSDP2, O5, 2 ranks (LM {s['params'] / 1e6:.1f}M params; {s['steps']} steps per "
-                f"variant, alternating)",
+        out += [f"\n2. Step time on FSDP2, O5, 2 ranks (LM {s['params'] / 1e6:.1f}M params, {s['lm']}; {s['steps']} steps per "
+                f"variant, alternating; {s['sizes']} sizes; {s['wall_s']:.0f} s)",
                 table([s], [("ampkit ms", "ampkit_ms", "{:.1f}"), ("hand-written ms", "hand_ms", "{:.1f}"),
                             ("median ratio", "ratio", "{:.3f}"),
                             ("quartiles", lambda r: " ".join(f"{q:.3f}" for q in quantiles(r["ratio_per_step"], n=4)), "{}")])]
@@ -303,10 +326,13 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--only", default="memory,speed", help="comma-separated subset of memory,speed")
+    p.add_argument("--size", choices=("auto", "full", "small"), default="auto",
+                   help="auto: the small shapes where ampkit.capabilities() calls bfloat16 emulated here")
     args = p.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < WORLD:
         p.error(f"--device cuda needs {WORLD} GPUs")
-    cfg = QUICK if args.quick else FULL
+    small = args.size == "small" or (args.size == "auto" and emulated(("O5",), torch.device(args.device)))
+    cfg = QUICK if args.quick else {**FULL, **EMULATED} if small else FULL
     info = machine(torch.device(args.device))
     print(f"ampkit {ampkit.__version__} FSDP2 benchmarks{' --quick' if args.quick else ''}: {info}", flush=True)
     started = time.perf_counter()
@@ -314,7 +340,12 @@ def main(argv=None):
     only = args.only.split(",")
     if set(only) - set(benches):
         p.error(f"--only: choose from {','.join(benches)}")
-    results = {name: bench(cfg, args.device, args.threads) for name, bench in benches.items() if name in only}
+    results = {}
+    for name in (n for n in benches if n in only):
+        log = Log(name)
+        results[name] = benches[name](cfg, args.device, args.threads, log)
+        results[name].update(wall_s=time.perf_counter() - log.start, sizes="quick" if args.quick else "small" if small else "full")
+        log(f"done in {results[name]['wall_s']:.0f} s")
     finish(report(results, args.quick), info, args, started, results, check_targets(results))
 
 

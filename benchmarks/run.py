@@ -1,11 +1,13 @@
 """ampkit benchmarks: six families measured side by side in one run, tables to stdout, JSON to a file.
 
     python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling,compile]
-                             [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N]
+                             [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N] [--size auto|full|small]
 
 1. overhead: ampkit O1/O4 vs a hand-written torch.autocast + torch.amp.GradScaler loop, and
    O2/O5 vs a hand-written half model + fp32 master loop; per level one fresh process in
-   which the two variants alternate step by step, 3 repeats. Target: median ratio <= 1.02.
+   which the two variants alternate step by step, 3 repeats of 60 steps. The ratio is the median
+   of the per-step ratios (each ampkit step over the hand-written step next to it, so a load that
+   comes and goes hits both). Target: ratio <= 1.02.
 2. speedup: steps/s of O0, O4, O5 on the transformer (d_model 512) and the CNN, each
    repeat of each level in a fresh process, levels interleaved. Target: O5 >= 2.5x O0 (LM).
 3. unscale: ampkit's unscale + overflow check over >= 50M gradient elements (fp32 grads,
@@ -18,7 +20,7 @@
 6. compile: per level, eager ampkit vs compiled ampkit (the README pattern: compiled model,
    eager scale_loss, compiled optimizer step) vs the hand-written loop compiled the same way,
    AdamW, one fresh process per level, the three alternating step by step; then eager vs
-   compiled at O0/O5 on the speed-up family's transformer. O6/O7 have no hand-written loop, and
+   compiled at O0/O5 on the speed-up family's transformer (where O5 is among the levels). O6/O7 have no hand-written loop, and
    at O7 only the model is compiled (the README's pattern there). Targets: compiled ampkit <= 1.02x
    compiled hand-written; O5 compiled >= 1.3x O5 eager (transformer, native-bf16 CPU). On a
    CPU each row also profiles 3 eager and 3 compiled steps, alternating (self CPU time in matmul
@@ -29,6 +31,13 @@
    (28 bytes per parameter at O0 and O5), which takes at least those bytes over the bandwidth
    of a large same-dtype copy measured in the same process.
 
+Every family prints progress lines to stderr as it goes (per level, worker and repeat, with the
+seconds since the family started) and its wall time in its table and the JSON (``wall_s``).
+``--size auto`` (the default) uses the EMULATED shapes for a family whose half dtype
+``ampkit.capabilities()`` calls emulated on this CPU (on AVX2 a bf16 or fp16 matmul runs about 60x
+slower than fp32, and the full shapes took an hour per family); ``full`` and ``small`` force one.
+``--threads`` defaults to torch's threads less one per busy core (1-minute load average): on a
+shared machine a second thread waits for its descheduled partner in every op.
 ``--quick`` shrinks sizes and repeats to check that everything runs (well under a minute); its
 figures are not valid for the targets. Nothing here runs in the unit tests.
 ``benchmarks/plot.py`` draws speed-up and memory per level from the JSON.
@@ -39,6 +48,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from statistics import median
 
 import torch
@@ -57,23 +67,34 @@ LR = 0.01
 
 FULL = dict(
     overhead_lm=LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16),
-    overhead_steps=30, repeats=3, warmup=3,
+    overhead_steps=60, repeats=3, warmup=3,
     speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=4, seq_len=128, batch=16),
     speed_cnn=dict(width=32, size=32, batch=64), speed_steps=10,
-    unscale_elements=64 * 2**20, unscale_iters=10,
+    unscale_elements=64 * 2**20, unscale_iters=10, sync_blocks=(1, 16, 256),
     memory_lm=LMConfig(vocab=256, d_model=256, n_heads=8, n_layers=4, seq_len=256, batch=32), memory_steps=3,
-    scaling_d=(256, 512, 1024), scaling_batch=4, scaling_steps=8,
+    scaling_d=(256, 512, 1024), scaling_seq=128, scaling_batch=4, scaling_steps=8,
     compile_lm=LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16), compile_steps=20,
+    compile_big=("O0", "O5"),
 )
-QUICK = dict(
-    overhead_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=32, batch=8),
+QUICK = dict(  # small enough for emulated half precision too; no transformer rows in the compile family
+    overhead_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4),
     overhead_steps=8, repeats=1, warmup=2,
-    speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=2, seq_len=64, batch=4),
-    speed_cnn=dict(width=16, size=16, batch=32), speed_steps=3,
-    unscale_elements=8 * 2**20, unscale_iters=3,
-    memory_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=8), memory_steps=2,
-    scaling_d=(128, 256, 512), scaling_batch=2, scaling_steps=3,
+    speed_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4),
+    speed_cnn=dict(width=8, size=16, batch=16), speed_steps=3,
+    unscale_elements=8 * 2**20, unscale_iters=3, sync_blocks=(1, 16),
+    memory_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=4), memory_steps=2,
+    scaling_d=(32, 64, 128), scaling_seq=32, scaling_batch=2, scaling_steps=3,
     compile_lm=LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4), compile_steps=3,
+    compile_big=(),
+)
+# FULL's shapes for a family whose half dtype this CPU emulates (``--size auto``): there a bf16 or
+# fp16 matmul runs 3-60x slower than in fp32, and FULL would take an hour per family.
+EMULATED = dict(
+    overhead_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=8),
+    speed_lm=LMConfig(vocab=256, d_model=128, n_heads=8, n_layers=4, seq_len=64, batch=4),
+    speed_cnn=dict(width=16, size=16, batch=32),
+    memory_lm=LMConfig(vocab=256, d_model=128, n_heads=4, n_layers=4, seq_len=256, batch=8), memory_steps=2,
+    scaling_d=(64, 128, 256), scaling_seq=64, scaling_steps=5,
 )
 
 
@@ -92,6 +113,41 @@ def timed(step, device, *args) -> float:
 
 def params_of(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def emulated(levels, device) -> bool:
+    """Whether any of ``levels`` computes in a half dtype that ``ampkit.capabilities`` calls emulated on this CPU."""
+    gains = ampkit.capabilities(device).levels
+    return device.type == "cpu" and any(gains[lvl] not in ("speed and memory", "baseline") for lvl in levels)
+
+
+def sized(cfg, levels, device, size) -> dict:
+    """FULL with EMULATED's shapes where ``size`` is small, or auto and one of ``levels`` is emulated here."""
+    if cfg is QUICK:
+        return {**cfg, "sizes": "quick"}
+    small = size == "small" or (size == "auto" and emulated(levels, device))
+    return {**cfg, **EMULATED, "sizes": "small"} if small else {**cfg, "sizes": "full"}
+
+
+def default_threads() -> int:
+    """torch's threads, less one per busy core (1-minute load average): a descheduled thread stalls every op."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(torch.get_num_threads(), round((os.cpu_count() or 1) - load)))
+
+
+class Log:
+    """Progress lines on stderr, flushed at once: ``[overhead   12.3 s] O1 model: repeat 1/3 ...``."""
+
+    def __init__(self, family: str):
+        self.family, self.start = family, time.perf_counter()
+
+    def __call__(self, *parts) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"  [{self.family} {elapsed:6.1f} s] " + " ".join(map(str, parts)), file=sys.stderr, flush=True)
+
+
+def lm_shape(spec: LMConfig) -> str:
+    return f"d{spec.d_model} x{spec.n_layers} {spec.batch}x{spec.seq_len} tok"
 
 
 # --- the training steps: ampkit and hand-written ---------------------------------------
@@ -243,10 +299,12 @@ def compiled_hand_loop(level, model, loss_fn, device, opt_kind="adamw"):
 
 # --- 1. front-end overhead ------------------------------------------------------------
 
-def alternate(amp, hand, batches, device, repeats, warmup, steps):
-    """Per-step times of both loops, alternating step by step (the order flips every step and repeat)."""
+def alternate(amp, hand, batches, device, repeats, warmup, steps, say):
+    """Per-step times of both loops, alternating step by step (the order flips every step and
+    repeat), and per repeat the median of the per-step ratios ampkit / hand; ``say(text)`` after each repeat."""
     times, per_repeat = {"ampkit": [], "hand": []}, []
     for r in range(repeats):
+        start = time.perf_counter()
         for i in range(warmup):
             amp.step(*batches[i % len(batches)])
             hand.step(*batches[i % len(batches)])
@@ -255,13 +313,15 @@ def alternate(amp, hand, batches, device, repeats, warmup, steps):
             order = (("ampkit", amp), ("hand", hand)) if (i + r) % 2 == 0 else (("hand", hand), ("ampkit", amp))
             for name, loop in order:
                 rep[name].append(timed(loop.step, device, *batches[i % len(batches)]))
-        per_repeat.append(median(rep["ampkit"]) / median(rep["hand"]))
+        per_repeat.append(median(a / h for a, h in zip(rep["ampkit"], rep["hand"])))
         for k in times:
             times[k] += rep[k]
+        say(f"repeat {r + 1}/{repeats}: {steps} steps each, {1e3 * median(rep['hand']):.1f} ms/step, "
+            f"ratio {per_repeat[-1]:.3f} ({time.perf_counter() - start:.1f} s)")
     return times, per_repeat
 
 
-def overhead_worker(level, lm, steps, repeats, warmup, device, threads, report=None):
+def overhead_worker(level, lm, steps, repeats, warmup, device, threads, report):
     """In a fresh process: ampkit and the hand-written loop at ``level``, alternating step by
     step, on the model and on a tiny model of the same structure (ampkit's fixed cost)."""
     torch.set_num_threads(threads)
@@ -275,30 +335,39 @@ def overhead_worker(level, lm, steps, repeats, warmup, device, threads, report=N
         amp = AmpkitLoop(TinyLM(spec).to(device), level, lm_loss)
         torch.manual_seed(0)
         hand = hand_loop(level, TinyLM(spec).to(device), lm_loss, device)
-        found[name] = alternate(amp, hand, batches, device, repeats, warmup, n) + (amp, hand)
+        say = partial(report, f"{level} {name}:")
+        found[name] = alternate(amp, hand, batches, device, repeats, warmup, n, say) + (amp, hand)
     (times, per_repeat, amp, hand), (tiny_times, _, _, _) = found["model"], found["tiny"]
     return {
-        "level": level,
+        "level": level, "lm": lm_shape(lm),
         "baseline": "autocast + GradScaler" if level in ("O1", "O4") else "half model + fp32 masters",
         "ampkit_ms": 1e3 * median(times["ampkit"]), "hand_ms": 1e3 * median(times["hand"]),
-        "ratio": median(times["ampkit"]) / median(times["hand"]),
+        # The two steps of a pair run back to back, so a load that comes and goes hits both alike.
+        "ratio": median(a / h for a, h in zip(times["ampkit"], times["hand"])),
         "ratio_per_repeat": per_repeat, "steps_per_variant": len(times["ampkit"]),
         "fixed_extra_ms": 1e3 * (median(tiny_times["ampkit"]) - median(tiny_times["hand"])),
         "skipped": {"ampkit": amp.skipped(), "hand": hand.skipped()},
     }
 
 
-def bench_overhead(cfg, device, threads):
-    lm = cfg["overhead_lm"]
-    rows = [isolated(overhead_worker, level, lm, cfg["overhead_steps"], cfg["repeats"], cfg["warmup"], str(device), threads)
-            for level in ("O1", "O4", "O2", "O5")]
-    return {"model": f"TinyLM {vars(lm)}", "params": params_of(TinyLM(lm)), "rows": rows}
+def bench_overhead(cfg, device, threads, size, log):
+    rows, sizes = [], set()
+    for level in ("O1", "O4", "O2", "O5"):
+        level_cfg = sized(cfg, (level,), device, size)
+        lm = level_cfg["overhead_lm"]
+        sizes.add(level_cfg["sizes"])
+        log(f"{level}: fresh process, LM {lm_shape(lm)}, {cfg['repeats']} repeats of {cfg['warmup']} warm-up + "
+            f"{cfg['overhead_steps']} steps per loop, then the tiny LM")
+        rows.append(isolated(overhead_worker, level, lm, cfg["overhead_steps"], cfg["repeats"], cfg["warmup"],
+                             str(device), threads, report=log))
+    return {"model": "TinyLM, 2 layers, vocab 256 (per level: LM column)", "rows": rows, "sizes": ",".join(sorted(sizes))}
 
 
 # --- 2. speed-up, 4. memory, 5. scaling: one fresh process per run ---------------------
 
-def train_worker(kind, spec, level, steps, warmup, device, threads, report=None):
-    """In a fresh process: train ``steps`` timed steps after ``warmup``; times and peak memory."""
+def train_worker(kind, spec, level, steps, warmup, device, threads, report):
+    """In a fresh process: train ``steps`` timed steps after ``warmup``; times and peak memory.
+    A step over 5 s (a slow machine) is reported as it ends."""
     torch.set_num_threads(threads)
     device = torch.device(device)
     batches = lm_batches(spec, 2) if kind == "lm" else image_batches(2, spec["batch"], spec["size"])
@@ -308,17 +377,25 @@ def train_worker(kind, spec, level, steps, warmup, device, threads, report=None)
     model, loss_fn = (TinyLM(spec), lm_loss) if kind == "lm" else (ConvNet(spec["width"]), F.cross_entropy)
     n_params = params_of(model)
     loop = AmpkitLoop(model.to(device), level, loss_fn)
-    times = [timed(loop.step, device, *batches[i % 2]) for i in range(warmup + steps)]
+    times = []
+    for i in range(warmup + steps):
+        times.append(timed(loop.step, device, *batches[i % 2]))
+        if times[-1] > 5:
+            report(f"{kind} {level}: step {i + 1}/{warmup + steps} took {times[-1]:.1f} s")
     return {"step_s": times[warmup:], "peak_mib": meter.peak_mib(), "rss_mib": peak_rss_bytes() / 2**20,
             "params": n_params, "skipped": loop.skipped()}
 
 
-def interleaved(runs, repeats):
+def interleaved(runs, repeats, log):
     """Run each ``(key, args)`` in a fresh process, ``repeats`` times, the order rotated per repeat."""
     results = {key: [] for key, _ in runs}
     for r in range(repeats):
         for key, args in runs[r % len(runs):] + runs[: r % len(runs)]:
-            results[key].append(isolated(train_worker, *args))
+            res = isolated(train_worker, *args, report=log)
+            kind, spec, level = args[:3]
+            log(f"{kind} {level} ({lm_shape(spec) if kind == 'lm' else spec}): repeat {r + 1}/{repeats}, "
+                f"{1e3 * median(res['step_s']):.1f} ms/step, peak {res['peak_mib']:.0f} MiB")
+            results[key].append(res)
     return results
 
 
@@ -330,33 +407,33 @@ def _merge(results):
             "skipped": max(res["skipped"] for res in results)}
 
 
-def bench_speedup(cfg, device, threads):
+def bench_speedup(cfg, device, threads, log):
     out = []
     for kind, spec in (("lm", cfg["speed_lm"]), ("cnn", cfg["speed_cnn"])):
         runs = [(lvl, (kind, spec, lvl, cfg["speed_steps"], 2, str(device), threads)) for lvl in ("O0", "O4", "O5")]
-        merged = {lvl: _merge(res) for lvl, res in interleaved(runs, cfg["repeats"]).items()}
+        merged = {lvl: _merge(res) for lvl, res in interleaved(runs, cfg["repeats"], log).items()}
         for lvl, row in merged.items():
             row.update(model=kind, level=lvl, speedup=merged["O0"]["step_ms"] / row["step_ms"])
             out.append(row)
-    return {"lm": str(vars(cfg["speed_lm"])), "cnn": str(cfg["speed_cnn"]), "rows": out}
+    return {"lm": str(vars(cfg["speed_lm"])), "cnn": str(cfg["speed_cnn"]), "rows": out, "sizes": cfg["sizes"]}
 
 
-def bench_memory(cfg, device, threads):
+def bench_memory(cfg, device, threads, log):
     spec = cfg["memory_lm"]
     runs = [(lvl, ("lm", spec, lvl, cfg["memory_steps"], 0, str(device), threads)) for lvl in ampkit.OPT_LEVELS]
-    merged = {lvl: _merge(res) for lvl, res in interleaved(runs, 1).items()}
+    merged = {lvl: _merge(res) for lvl, res in interleaved(runs, 1, log).items()}
     for lvl, row in merged.items():
         row.update(level=lvl, vs_O0=row["peak_mib"] / merged["O0"]["peak_mib"])
-    return {"lm": str(vars(spec)), "rows": list(merged.values())}
+    return {"lm": str(vars(spec)), "rows": list(merged.values()), "sizes": cfg["sizes"]}
 
 
-def bench_scaling(cfg, device, threads):
+def bench_scaling(cfg, device, threads, log):
     base = cfg["speed_lm"]
     runs = []
     for d in cfg["scaling_d"]:
-        spec = LMConfig(vocab=base.vocab, d_model=d, n_heads=8, n_layers=4, seq_len=128, batch=cfg["scaling_batch"])
+        spec = LMConfig(vocab=base.vocab, d_model=d, n_heads=8, n_layers=4, seq_len=cfg["scaling_seq"], batch=cfg["scaling_batch"])
         runs += [((d, lvl), ("lm", spec, lvl, cfg["scaling_steps"], 2, str(device), threads)) for lvl in ("O0", "O5")]
-    merged = {key: _merge(res) for key, res in interleaved(runs, cfg["repeats"]).items()}
+    merged = {key: _merge(res) for key, res in interleaved(runs, cfg["repeats"], log).items()}
     smallest = merged[(cfg["scaling_d"][0], "O0")]["params"]
     rows = []
     for (d, lvl), row in merged.items():
@@ -364,7 +441,8 @@ def bench_scaling(cfg, device, threads):
         row.update(d_model=d, level=lvl, size=row["params"] / smallest,
                    speedup=o0["step_ms"] / row["step_ms"], mem_vs_O0=row["peak_mib"] / o0["peak_mib"])
         rows.append(row)
-    return {"lm": f"n_layers=4, seq_len=128, batch={cfg['scaling_batch']}, vocab={base.vocab}", "rows": rows}
+    return {"lm": f"n_layers=4, seq_len={cfg['scaling_seq']}, batch={cfg['scaling_batch']}, vocab={base.vocab}",
+            "rows": rows, "sizes": cfg["sizes"]}
 
 
 # --- 6. torch.compile: eager vs compiled ampkit vs compiled hand-written -----------------
@@ -412,7 +490,7 @@ def adamw_floor_bytes(model, level) -> int:
     return total
 
 
-def compile_worker(level, spec, steps, warmup, device, threads, variants, report=None):
+def compile_worker(level, spec, steps, warmup, device, threads, variants, report):
     """In a fresh process: the loops of ``variants`` at ``level`` on the LM ``spec`` (AdamW),
     compiled ones warmed up (compiled) first, then alternating step by step, order rotated."""
     from torch._dynamo.utils import counters
@@ -432,12 +510,14 @@ def compile_worker(level, spec, steps, warmup, device, threads, variants, report
         counters.clear()
         first_s[name] = sum(timed(loops[name].step, device, *batches[i % 2]) for i in range(warmup))
         breaks[name] = sum(counters["graph_break"].values())
+        report(f"{level} {name}: built, {warmup} warm-up steps (compiling) {first_s[name]:.1f} s")
     times = {name: [] for name in variants}
     for i in range(steps):
         order = variants[i % len(variants):] + variants[: i % len(variants)]
         for name in order:
             times[name].append(timed(loops[name].step, device, *batches[i % 2]))
     ms = {name: 1e3 * median(t) for name, t in times.items()}
+    report(f"{level}: {steps} steps alternating, " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
     row = {"level": level, "steps_per_variant": steps, "warmup_s": first_s, "graph_breaks": breaks,
            **{f"{name}_ms": v for name, v in ms.items()}}
     if "ampkit" in ms and "eager" in ms:
@@ -456,15 +536,20 @@ def compile_worker(level, spec, steps, warmup, device, threads, variants, report
     return row
 
 
-def bench_compile(cfg, device, threads, levels):
+def bench_compile(cfg, device, threads, levels, log):
     """Per level: eager ampkit, compiled ampkit, compiled hand-written, one process each level;
-    then eager vs compiled ampkit at O0 and O5 on the speed-up family's transformer."""
+    then, where O5 is among ``levels``, eager vs compiled ampkit at O0 and O5 on the speed-up family's transformer."""
     lm, big = cfg["compile_lm"], cfg["speed_lm"]
-    rows = [isolated(compile_worker, lvl, lm, cfg["compile_steps"], 3, str(device), threads,
-                     ("eager", "ampkit", "hand") if lvl == "O0" or lvl in HALF else ("eager", "ampkit"))  # O6/O7: no hand loop
-            for lvl in levels]
-    big_rows = [isolated(compile_worker, lvl, big, cfg["speed_steps"], 3, str(device), threads, ("eager", "ampkit"))
-                for lvl in ("O0", "O5")]
+    rows, big_rows = [], []
+    for lvl in levels:
+        log(f"{lvl}: fresh process, LM {lm_shape(lm)}")
+        rows.append(isolated(compile_worker, lvl, lm, cfg["compile_steps"], 3, str(device), threads,
+                             ("eager", "ampkit", "hand") if lvl == "O0" or lvl in HALF else ("eager", "ampkit"),  # O6/O7: no hand loop
+                             report=log))
+    for lvl in cfg["compile_big"] if "O5" in levels else ():  # O5's target; without O5 here, minutes for O0 alone
+        log(f"{lvl}: fresh process, transformer {lm_shape(big)}")
+        big_rows.append(isolated(compile_worker, lvl, big, cfg["speed_steps"], 3, str(device), threads, ("eager", "ampkit"),
+                                 report=log))
     return {"model": f"TinyLM {vars(lm)}", "params": params_of(TinyLM(lm)), "rows": rows,
             "transformer": f"TinyLM {vars(big)}", "transformer_rows": big_rows, "optimizer": "AdamW"}
 
@@ -514,7 +599,7 @@ def inductor_unscale(dsts, srcs, device):
     return run
 
 
-def bench_unscale(cfg, device):
+def bench_unscale(cfg, device, log):
     n = cfg["unscale_elements"]
     chunks = 64
     rows = []
@@ -552,8 +637,10 @@ def bench_unscale(cfg, device):
             "conversion_ratio": None if wide is None else median(t_copy) / median(t_wide),
             "inductor_ratio": median(t_copy) / median(t_fused) if t_fused else None,
         })
+        log(f"{level} {rows[-1]['grad_dtype']} grads: {rows[-1]['ampkit_GBps']:.2f} GB/s, copy {rows[-1]['copy_GBps']:.2f} GB/s")
         del model, opt, params, grads, src, dst, wide
-    return {"rows": rows, "syncs": count_syncs(device)}
+    log("host syncs per step at every level, 3 model sizes")
+    return {"rows": rows, "syncs": count_syncs(device, cfg["sync_blocks"])}
 
 
 class HostSyncCounter(TorchDispatchMode):
@@ -579,10 +666,10 @@ def _syncs_per_step(step, steps=2) -> float:
     return counter.count / steps
 
 
-def count_syncs(device):
+def count_syncs(device, blocks_per_model):
     """Host syncs per training step through the whole public API, for growing parameter counts."""
     rows = []
-    for blocks in (1, 16, 256):
+    for blocks in blocks_per_model:
         def make():
             torch.manual_seed(0)
             layers = [m for _ in range(blocks) for m in (nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())]
@@ -625,9 +712,9 @@ def report(results, quick):
     out = []
     if "overhead" in results:
         r = results["overhead"]
-        out += [f"\n1. Front-end overhead ({r['model']}, {r['params'] / 1e6:.2f}M params; "
-                f"{r['rows'][0]['steps_per_variant']} steps per variant, alternating)", table(r["rows"], [
-                    ("level", "level", "{}"), ("hand-written baseline", "baseline", "{}"),
+        out += [f"\n1. Front-end overhead ({r['model']}; {r['rows'][0]['steps_per_variant']} steps per variant, "
+                f"alternating; {r['wall_s']:.0f} s)", table(r["rows"], [
+                    ("level", "level", "{}"), ("LM", "lm", "{}"), ("hand-written baseline", "baseline", "{}"),
                     ("ampkit ms", "ampkit_ms", "{:.2f}"), ("hand ms", "hand_ms", "{:.2f}"),
                     ("ratio", "ratio", "{:.3f}"),
                     ("per repeat", lambda x: " ".join(f"{v:.3f}" for v in x["ratio_per_repeat"]), "{}"),
@@ -635,13 +722,14 @@ def report(results, quick):
                     ("skipped a/h", lambda x: f"{x['skipped']['ampkit']}/{x['skipped']['hand']}", "{}")])]
     if "speedup" in results:
         r = results["speedup"]
-        out += [f"\n2. Speed-up from precision (LM {r['lm']}; CNN {r['cnn']})", table(r["rows"], [
+        out += [f"\n2. Speed-up from precision (LM {r['lm']}; CNN {r['cnn']}; {r['sizes']} sizes; {r['wall_s']:.0f} s)", table(r["rows"], [
             ("model", "model", "{}"), ("level", "level", "{}"), ("params", lambda x: x["params"] / 1e6, "{:.2f}M"),
             ("ms/step", "step_ms", "{:.1f}"), ("steps/s", "steps_per_s", "{:.2f}"), ("vs O0", "speedup", "{:.2f}x"),
             ("samples", "samples", "{}")])]
     if "unscale" in results:
         r = results["unscale"]
-        out += ["\n3a. Unscale + overflow check (GB/s = gradient bytes / time; copy = tensor.copy_ of the same bytes)",
+        out += [f"\n3a. Unscale + overflow check (GB/s = gradient bytes / time; copy = tensor.copy_ of the same bytes; "
+                f"{r['wall_s']:.0f} s)",
                 table(r["rows"], [
                     ("level", "level", "{}"), ("grads", "grad_dtype", "{}"), ("elements", lambda x: x["elements"] / 1e6, "{:.1f}M"),
                     ("path", "path", "{}"), ("ampkit GB/s", "ampkit_GBps", "{:.2f}"), ("copy GB/s", "copy_GBps", "{:.2f}"),
@@ -653,30 +741,35 @@ def report(results, quick):
                 table(r["syncs"], [(k, k, "{:g}") for k in r["syncs"][0]])]
     if "memory" in results:
         r = results["memory"]
-        out += [f"\n4. Peak memory per level (LM {r['lm']}; RSS high-water above the fresh process's RSS before the model)",
+        out += [f"\n4. Peak memory per level (LM {r['lm']}; RSS high-water above the fresh process's RSS before the model; "
+                f"{r['sizes']} sizes; {r['wall_s']:.0f} s)",
                 table(r["rows"], [("level", "level", "{}"), ("peak MiB", "peak_mib", "{:.0f}"), ("process RSS MiB", "rss_mib", "{:.0f}"),
                                   ("vs O0", "vs_O0", "{:.2f}x"), ("ms/step", "step_ms", "{:.0f}"), ("skipped", "skipped", "{}")])]
     if "scaling" in results:
         r = results["scaling"]
-        out += [f"\n5. Scaling with model size ({r['lm']})", table(r["rows"], [
+        out += [f"\n5. Scaling with model size ({r['lm']}; {r['sizes']} sizes; {r['wall_s']:.0f} s)", table(r["rows"], [
             ("d_model", "d_model", "{}"), ("params", lambda x: x["params"] / 1e6, "{:.1f}M"), ("size", "size", "x{:.1f}"),
             ("level", "level", "{}"), ("ms/step", "step_ms", "{:.1f}"), ("vs O0", "speedup", "{:.2f}x"),
             ("peak MiB", "peak_mib", "{:.0f}"), ("mem vs O0", "mem_vs_O0", "{:.2f}x")])]
     if "compile" in results:
         r = results["compile"]
         out += [f"\n6. torch.compile ({r['model']}, {r['params'] / 1e6:.2f}M params, {r['optimizer']}; compiled model "
-                f"(fullgraph) + eager scale_loss + compiled optimizer step (O7: eager); variants alternate step by step)",
+                f"(fullgraph) + eager scale_loss + compiled optimizer step (O7: eager); variants alternate step by step; "
+                f"{r['wall_s']:.0f} s)",
                 table(r["rows"], [
                     ("level", "level", "{}"), ("eager ms", "eager_ms", "{:.2f}"), ("compiled ampkit ms", "ampkit_ms", "{:.2f}"),
                     ("compiled hand ms", "hand_ms", "{:.2f}"), ("ampkit / hand", "ratio", "{:.3f}"),
                     ("compiled vs eager", "compiled_speedup", "{:.2f}x"),
                     ("graph breaks a/h", lambda x: "{}/{}".format(x["graph_breaks"]["ampkit"], x["graph_breaks"].get("hand", "-")), "{}"),
                     *MATMUL_COLUMNS,
-                    ("compile s a/h", lambda x: "{:.0f}/{}".format(x["warmup_s"]["ampkit"], "-" if "hand" not in x["warmup_s"] else f"{x['warmup_s']['hand']:.0f}"), "{}")]),
-                f"\n   transformer ({r['transformer']})",
-                table(r["transformer_rows"], [
-                    ("level", "level", "{}"), ("eager ms", "eager_ms", "{:.1f}"), ("compiled ampkit ms", "ampkit_ms", "{:.1f}"),
-                    ("compiled vs eager", "compiled_speedup", "{:.2f}x"), *MATMUL_COLUMNS])]
+                    ("compile s a/h", lambda x: "{:.0f}/{}".format(x["warmup_s"]["ampkit"], "-" if "hand" not in x["warmup_s"] else f"{x['warmup_s']['hand']:.0f}"), "{}")])]
+        if r["transformer_rows"]:
+            out += [f"\n   transformer ({r['transformer']})", table(r["transformer_rows"], [
+                ("level", "level", "{}"), ("eager ms", "eager_ms", "{:.1f}"), ("compiled ampkit ms", "ampkit_ms", "{:.1f}"),
+                ("compiled vs eager", "compiled_speedup", "{:.2f}x"), *MATMUL_COLUMNS])]
+    out += ["\nWall time per family (sizes: full, or small where the family's half dtype is emulated here)",
+            table([{"family": f, **r} for f, r in results.items()],
+                  [("family", "family", "{}"), ("sizes", "sizes", "{}"), ("seconds", "wall_s", "{:.0f}")])]
     targets = check_targets(results)
     if targets:
         out += ["\nTargets" + (" (--quick: sizes too small, not valid for the targets)" if quick else ""),
@@ -691,7 +784,8 @@ def check_targets(results):
             t.append({"target": f"{row['level']} ampkit / hand-written <= 1.02", "measured": f"{row['ratio']:.3f}", "met": row["ratio"] <= 1.02})
     if "speedup" in results:
         o5 = next(r for r in results["speedup"]["rows"] if r["model"] == "lm" and r["level"] == "O5")
-        t.append({"target": "O5 >= 2.5x O0 (LM)", "measured": f"{o5['speedup']:.2f}x", "met": o5["speedup"] >= 2.5})
+        small = " (small shapes: bf16 emulated here)" if results["speedup"]["sizes"] == "small" else ""
+        t.append({"target": "O5 >= 2.5x O0 (LM)" + small, "measured": f"{o5['speedup']:.2f}x", "met": o5["speedup"] >= 2.5})
     if "unscale" in results:
         for row in results["unscale"]["rows"]:
             t.append({"target": f"unscale {row['grad_dtype']} grads >= 0.5 of copy", "measured": f"{row['ratio']:.2f}", "met": row["ratio"] >= 0.5})
@@ -733,7 +827,11 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="write machine, config and results as JSON")
     p.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, one less per busy core by the load average)")
+    p.add_argument("--size", choices=("auto", "full", "small"), default="auto",
+                   help="auto (the default): the small shapes for a family whose half dtype ampkit.capabilities() "
+                        "calls emulated here, full elsewhere; full or small: those shapes everywhere")
     p.add_argument("--compile-levels", default="native",
                    help="levels of the compile family: native (O0 and those ampkit.capabilities() calls fast here; "
                         "the default), all, or a comma-separated list")
@@ -742,24 +840,28 @@ def main(argv=None):
     unknown = set(only) - set(FAMILIES)
     if unknown:
         p.error(f"--only: unknown {sorted(unknown)}; choose from {','.join(FAMILIES)}")
+    args.threads = args.threads or default_threads()
     torch.set_num_threads(args.threads)
     cfg, device = (QUICK if args.quick else FULL), torch.device(args.device)
     info = machine(device)
     print(f"ampkit {ampkit.__version__} benchmarks{' --quick' if args.quick else ''}: {info}", flush=True)
+    size = args.size
     benches = {
-        "overhead": lambda: bench_overhead(cfg, device, args.threads),
-        "speedup": lambda: bench_speedup(cfg, device, args.threads),
-        "unscale": lambda: bench_unscale(cfg, device),
-        "memory": lambda: bench_memory(cfg, device, args.threads),
-        "scaling": lambda: bench_scaling(cfg, device, args.threads),
-        "compile": lambda: bench_compile(cfg, device, args.threads, compile_levels(args.compile_levels, device)),
+        "overhead": lambda log: bench_overhead(cfg, device, args.threads, size, log),
+        "speedup": lambda log: bench_speedup(sized(cfg, ("O0", "O4", "O5"), device, size), device, args.threads, log),
+        "unscale": lambda log: bench_unscale(cfg, device, log),
+        "memory": lambda log: bench_memory(sized(cfg, ampkit.OPT_LEVELS, device, size), device, args.threads, log),
+        "scaling": lambda log: bench_scaling(sized(cfg, ("O0", "O5"), device, size), device, args.threads, log),
+        "compile": lambda log: bench_compile(cfg, device, args.threads, compile_levels(args.compile_levels, device), log),
     }
     results, started = {}, time.perf_counter()
-    for family in FAMILIES:
-        if family in only:
-            t = time.perf_counter()
-            results[family] = benches[family]()
-            print(f"  {family}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    for family in (f for f in FAMILIES if f in only):
+        log = Log(family)
+        log(f"start ({args.threads} threads)")
+        results[family] = benches[family](log)
+        results[family]["wall_s"] = time.perf_counter() - log.start
+        results[family].setdefault("sizes", "quick" if args.quick else "full")
+        log(f"done in {results[family]['wall_s']:.0f} s")
     finish(report(results, args.quick), info, args, started, results, check_targets(results))
 
 
