@@ -52,7 +52,7 @@ def _start_method() -> str:
 _CTX = multiprocessing.get_context(_start_method())
 if _CTX.get_start_method() == "forkserver":
     # torch.optim imports torch._dynamo on first use (seconds): pay that once, in the server.
-    _CTX.set_forkserver_preload(["ampkit.demo", "torch._dynamo"])
+    _CTX.set_forkserver_preload([__name__, "torch._dynamo"])
 
 
 def _child(conn, fn, args) -> None:
