@@ -175,7 +175,7 @@ class AmpkitLoop:
         self.opt.step()
 
     def skipped(self) -> int:
-        return self.opt._ampkit.session.scalers[0].skipped_steps
+        return ampkit.loss_scalers(self.opt)[0].skipped_steps
 
 
 class AutocastLoop:
