@@ -1,0 +1,1 @@
+"""Numeric kernels: pure tensor functions with no ampkit state (remainder masters, 8-bit block state)."""
