@@ -8,8 +8,8 @@ and one byte per element, in one of two codes chosen by the byte tensor's dtype:
   ``s`` is the least power of two with ``absmax <= 127 s``.
 * ``uint8``, unsigned dynamic exponent, ``e4m4`` (non-negative state: ``exp_avg_sq``, or
   its square root): code ``c = 16 E + M`` means ``(1 + M/16) 2**(E-15) s`` for ``E >= 1``
-  and ``M 2**-18 s`` for ``E = 0`` (a linear run to zero, like float subnormals): 16
-  binades below the block's maximum at 4 mantissa bits, then 16 steps of ``2**-18 s``;
+  and ``M 2**-18 s`` for ``E = 0`` (a linear run to zero, like float subnormals): 15
+  binades below ``2 s`` at 4 mantissa bits, then 16 steps of ``2**-18 s``;
   ``s`` is the least power of two with ``absmax <= 1.9375 s`` (the largest code).
 
 A value rounds to one of its two neighbouring codes, up with probability equal to its
