@@ -1,49 +1,117 @@
-"""fp32 master weights held as the bf16 model weight plus a 16-bit remainder (12 bytes/param with AdamW).
+"""Exact fp32 masters held as the bfloat16 model weight plus a 16-bit remainder (2 + 2 bytes).
 
-A float32 ``x`` is its bfloat16 round-to-nearest-even ``w`` (what O5's model holds) plus the
-difference of their bit patterns, ``r = bits(x) - bits(w) * 2**16``, counted in units of
-``2**-16`` of ``w``'s last place. Round-to-nearest keeps ``r`` in ``[-32768, 32768]``: 65537
-states, one more than 16 bits hold, needed only exactly at a tie that rounded *down* to an even
-``w`` (``r = +32768``). That one case is stored as ``r = 32767``: the master is one float32 ulp
-below the tie, the least change that keeps ``w`` (nothing closer rounds to ``w``; ``w`` is
-unchanged). Every other master, ties rounded up included (``r = -32768``), is exact. The
-arithmetic is modulo ``2**32`` on the bit patterns, so signs, zeros, subnormals and infinities
-need no special case (a float32 above bfloat16's range rounds to ``inf``, and its remainder
-saturates; a NaN stays NaN).
+The weight is always O5's: ``w = x.to(torch.bfloat16)`` (round to nearest even, RNE). The
+remainder is the step ``d`` from ``w``'s float32 bits to ``x``'s. Both share the sign bit, so
+the int32 difference of their bit patterns is the difference of their magnitudes, in units
+of one float32 ULP of ``x`` (2**-16 of a bfloat16 ULP): ``d`` in ``[-32767, 32767]`` when
+``w``'s last bit is odd, ``[-32768, 32768]`` when it is even (``+-32768`` are the ties, and
+a tie always rounds to the even neighbour). An even ``w`` has 65537 float32 values rounding
+to it and an int16 holds 65536, so no encoding keeps every master exactly: at least one
+value per even ``w`` must share a code with another, and a stored stand-in must still round
+to ``w``, so it is another float32 value of the same cell, at least one ULP away.
+
+This encoding loses that one value and no other, by exactly one ULP toward ``w`` (the
+minimum), and it picks the value that exact arithmetic meets least: not a tie (sums of
+dyadic numbers land on ties all the time) but ``d = +32767``, which it stores as
+``+32766``; code ``32767`` of an even ``w`` then means ``d = +32768``, the tie. For an odd
+``w`` every code is ``d`` itself (``-32768`` is never written). Hence, with ``e = 1`` when
+``w`` is even::
+
+    r = d - e * (d >= 32767)            x = bits(w) << 16 + r + e * (r == 32767)
+
+Edge cases follow from the bit arithmetic: +-0 and subnormals are ordinary cells; a finite
+``x`` above bfloat16's range (``|x| >= 0x7F7F8000``) gives ``w = +-inf``, as O5's copy does,
+with ``d`` in ``[-32768, -1]``, so the master stays finite and exact; an infinite ``x`` gives
+``r = 0`` and comes back infinite; a NaN gives torch's bfloat16 NaN with ``r = 0`` and comes
+back NaN (its payload is not kept).
 """
-from typing import List
+from typing import List, Optional, Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-_LOW, _HIGH = -(1 << 15), (1 << 15) - 1
+__all__ = ["split_", "combine", "master", "remainder"]
 
-
-def _high_bits(w: torch.Tensor) -> torch.Tensor:
-    return w.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
-
-
-def split_(ws: List[torch.Tensor], rs: List[torch.Tensor], xs: List[torch.Tensor]) -> None:
-    """``ws[i] = bf16(xs[i])`` (round to nearest even) and ``rs[i]`` (int16) the remainder."""
-    for w, r, x in zip(ws, rs, xs):
-        w.copy_(x)
-        diff = x.view(torch.int32) - _high_bits(w)
-        r.copy_(diff.clamp_(_LOW, _HIGH))
+_LOST = 32767  # of an even w: d = +32767 is stored as 32766, and this code means d = +32768
 
 
-def combine_(outs: List[torch.Tensor], ws: List[torch.Tensor], rs: List[torch.Tensor]) -> None:
-    """``outs[i]`` (float32) = the master that ``ws[i]`` (bf16) and ``rs[i]`` (int16) hold."""
-    for out, w, r in zip(outs, ws, rs):
-        out.view(torch.int32).copy_(_high_bits(w).add_(r))
+def split_(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> None:
+    """Write ``w = x.to(bfloat16)`` into each bfloat16 ``ws[i]`` and the remainder into each
+    int16 ``rs[i]``, from float32 ``xs[i]`` (lists of tensors of matching shapes)."""
+    _check(ws, rs, xs, "split_", "xs")
+    if not xs:
+        return
+    x, w, r = _flat(xs), _out(ws), _out(rs)
+    w.copy_(x)  # torch's own conversion: w is bit for bit what O5's model copy holds
+    top = w.view(torch.int16).to(torch.int32)
+    d = x.view(torch.int32) - top.bitwise_left_shift(16)
+    d.sub_(d.sub(top.bitwise_and(1)).ge_(_LOST))  # an even w's d >= 32767 moves down one
+    d.masked_fill_(x.isnan(), 0)
+    r.copy_(d)
+    _scatter(ws, w)
+    _scatter(rs, r)
 
 
-def split(x: torch.Tensor):
-    """``(w, r)`` for one float32 tensor."""
-    w, r = torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.int16)
-    split_([w], [r], [x])
-    return w, r
+def combine(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    """Write the float32 master stored as ``(ws[i], rs[i])`` into each ``outs[i]``."""
+    _check(ws, rs, outs, "combine", "outs")
+    if not outs:
+        return
+    w, r, out = _flat(ws), _flat(rs), _out(outs)
+    top = w.view(torch.int16).to(torch.int32)
+    d = r.to(torch.int32)
+    d.add_(d.eq(_LOST).logical_and_(top.bitwise_and(1).eq_(0)))
+    out.view(torch.int32).copy_(top.bitwise_left_shift_(16).add_(d))
+    _scatter(outs, out)
 
 
-def combine(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(w, dtype=torch.float32)
-    combine_([out], [w], [r])
+def _check(ws, rs, xs, fn: str, name: str) -> None:
+    for arg, ts, dtype in (("ws", ws, torch.bfloat16), ("rs", rs, torch.int16), (name, xs, torch.float32)):
+        if not isinstance(ts, (list, tuple)) or not all(torch.is_tensor(t) and t.dtype == dtype for t in ts):
+            raise TypeError(f"{fn}: {arg} must be a list of {dtype} tensors.")
+    if not len(ws) == len(rs) == len(xs) or any(not w.shape == r.shape == x.shape for w, r, x in zip(ws, rs, xs)):
+        raise ValueError(f"{fn}: ws, rs and {name} must be lists of the same length with matching shapes.")
+    if len({t.device for t in (*ws, *rs, *xs)}) > 1:
+        raise ValueError(f"{fn}: ws, rs and {name} must all be on one device.")
+
+
+def _run(ts: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``ts`` as one flat view when they lie back to back in one storage, else ``None``."""
+    first, at = ts[0], ts[0].data_ptr()
+    for t in ts:
+        if not t.is_contiguous() or t.data_ptr() != at or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += t.numel() * t.element_size()
+    return first.as_strided((sum(t.numel() for t in ts),), (1,))
+
+
+def _flat(ts: List[torch.Tensor]) -> torch.Tensor:
+    run = _run(ts)
+    return _flatten_dense_tensors(ts) if run is None else run
+
+
+def _out(ts: List[torch.Tensor]) -> torch.Tensor:
+    """A flat tensor to write ``ts``'s values into: their flat view, or scratch for :func:`_scatter`."""
+    run = _run(ts)
+    return torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device) if run is None else run
+
+
+def _scatter(ts: List[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``ts`` unless it is their own flat view (made by :func:`_run`)."""
+    if flat._base is None:  # scratch from torch.empty; a view of ts has a base
+        torch._foreach_copy_(list(ts), _unflatten_dense_tensors(flat, ts))
+
+
+def master(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The float32 master one ``(w, r)`` pair holds, as a new tensor."""
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    combine([w], [r], [out])
     return out
+
+
+def remainder(x: torch.Tensor) -> torch.Tensor:
+    """The int16 remainder of float32 ``x`` against its bfloat16 rounding."""
+    w = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    r = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    split_([w], [r], [x.contiguous()])
+    return r

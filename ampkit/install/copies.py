@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..core.levels import HALF_DTYPES
-from ..core.remainder import combine
+from ..core.remainder import master as combined_master
 
 
 def make_standalone(model: nn.Module) -> None:
@@ -32,7 +32,7 @@ def make_standalone(model: nn.Module) -> None:
             continue
         master = old.get(t)
         if master is None and t in remainders:
-            master = combine(t.detach(), remainders[t])
+            master = combined_master(t.detach(), remainders[t])
         master = t.detach().float() if master is None else master.detach()
         st.masters[t] = master
         st.synced[t] = (t._version, master._version)

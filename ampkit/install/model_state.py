@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .apex_lists import in_apex_fp32_region
 from ..core.casting import cast_tree
-from ..core.remainder import combine, split_
+from ..core.remainder import master as combined_master, split_
 from .copies import make_standalone, sync, sync_one
 from ..core.levels import HALF_DTYPES
 
@@ -108,7 +108,7 @@ class _Float32StateDict:
                             sync_one(self.state, t, master)
                         state_dict[key] = master.detach()
                     elif t in remainders:
-                        state_dict[key] = combine(t.detach(), remainders[t])
+                        state_dict[key] = combined_master(t.detach(), remainders[t])
                     elif state_dict[key].dtype in HALF_DTYPES:
                         state_dict[key] = state_dict[key].float()
 

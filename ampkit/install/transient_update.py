@@ -26,7 +26,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ..core.levels import HALF_DTYPES
-from ..core.remainder import combine_, split, split_
+from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
@@ -108,7 +108,7 @@ class TransientUpdate:
                 torch._foreach_copy_(wide, srcs)
         copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
         if self.model_states is not None:  # the exact fp32 masters, not the widened bf16 weights
-            combine_(copies, half, self._remainders(half))
+            combine(half, self._remainders(half), copies)
         for (st, k, _), w in zip(stored, wide[2 * len(half):]):
             st[k] = w
         copy_of = dict(zip(half, zip(copies, grad_copies)))
@@ -255,6 +255,6 @@ def attach_remainders(opt_state, originals: dict, state_dtype: Optional[torch.dt
                 continue
             original = originals.get(p)
             exact = original is not None and original.dtype == torch.float32 and original.shape == p.shape
-            owner.remainders[p] = split(original if exact else p.detach().float())[1]
+            owner.remainders[p] = remainder(original if exact else p.detach().float())
     attach(opt_state, "nearest", None, state_dtype)
     opt_state._step.model_states = opt_state.model_states

@@ -1,14 +1,14 @@
 """master_weights="remainder": O5's fp32 masters held as the bf16 weight plus a 16-bit remainder.
 
-Training is bit-identical to O5 (model weights and losses at every step), on data that meets
-rounding ties, with AdamW, SGD with momentum and Adagrad, across a skipped step and a resume.
+Training is bit-identical to O5 (model weights and losses at every step) on a small model, on data
+that meets rounding ties, with AdamW, SGD with momentum and Adagrad, across a skipped step and a resume.
 """
 import pytest
 import torch
 from torch import nn
 
 import ampkit
-from ampkit.core.remainder import combine
+from ampkit.core.remainder import master
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=2**-10),
@@ -50,7 +50,7 @@ def train(model, opt, data, poison_at=()):
 
 def masters_of(model, opt):
     if model._ampkit.remainders:
-        return [combine(p.detach(), model._ampkit.remainders[p]) for p in model.parameters()]
+        return [master(p.detach(), model._ampkit.remainders[p]) for p in model.parameters()]
     return [m.detach().clone() for m in ampkit.master_params(opt)]
 
 
@@ -62,13 +62,13 @@ def test_bit_identical_to_o5_for_200_steps_with_a_skipped_step(opt_name):
     assert ampkit.step_was_skipped(rem[1]) is False and ampkit.loss_scalers(rem[1])[0].skipped_steps == 1
     assert a[0][:57] == b[0][:57] and a[0][58:] == b[0][58:]
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-    # Ties were met: a master on a tie that rounded down is kept one float32 ulp lower, and that
-    # difference is carried (float32 rounding moves it by a few ulps) while the bf16 weights agree.
+    # The one value per even weight that 16 bits cannot hold was met: it is kept one float32 ulp
+    # lower, and that difference is carried (float32 rounding moves it by an ulp or two) while the
+    # bf16 weights agree.
     diff = [(x.view(torch.int32) - y.view(torch.int32)).abs() for x, y in zip(masters_of(*ref), masters_of(*rem))]
     differing = sum(int((d != 0).sum()) for d in diff)
     assert differing <= 0.1 * sum(d.numel() for d in diff) and max(int(d.max()) for d in diff) <= 16
-    if opt_name != "adamw":  # AdamW's normalized updates rarely land on a tie with this data
-        assert differing >= 1
+    assert differing >= 1
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])

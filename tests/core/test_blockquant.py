@@ -1,0 +1,145 @@
+"""8-bit block state: power-of-two scales, the two codes' grids, unbiased stochastic rounding."""
+import math
+
+import pytest
+import torch
+
+from ampkit.core.blockquant import dequantize, num_blocks, quantize_
+
+B = 256
+
+
+def roundtrip(x: torch.Tensor, dtype, seed=0, block_size=B):
+    q, s = torch.empty_like(x, dtype=dtype), torch.empty(num_blocks(x.numel(), block_size))
+    quantize_(q, s, x, torch.Generator().manual_seed(seed), block_size)
+    return q, s, dequantize(q, s, torch.empty_like(x), block_size)
+
+
+def e4m4(c: int) -> float:
+    """The documented uint8 code, in units of the scale."""
+    e, m = divmod(c, 16)
+    return (1 + m / 16) * 2.0 ** (e - 15) if e else m * 2.0 ** -18
+
+
+GRIDS = {torch.int8: [float(c) for c in range(-127, 128)], torch.uint8: [e4m4(c) for c in range(256)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+@pytest.mark.parametrize("scale", [2.0 ** -120, 2.0 ** -20, 1.0, 2.0 ** 100])
+def test_grid_values_round_trip_exactly(dtype, scale):
+    """Every code's value (the block's largest being the top code, so the scale is the one
+    given) comes back bit for bit whatever the random bits."""
+    grid = torch.tensor(GRIDS[dtype], dtype=torch.float64).mul(scale).float()
+    x = grid.repeat(4)  # several blocks, a tail block too when the grid is not 256 long
+    for seed in range(3):
+        q, s, y = roundtrip(x, dtype, seed)
+        assert torch.equal(y, x) and torch.equal(s, torch.full_like(s, scale))
+        codes = torch.arange(-127, 128) if dtype == torch.int8 else torch.arange(256)
+        assert torch.equal(q.long(), codes.repeat(4))
+
+
+def block_for(dtype) -> torch.Tensor:
+    """One block's positions: the maximum (a grid value fixing scale 1), grid points, halves,
+    quarters, odd fractions, values in uint8's linear run and below a step."""
+    grid = GRIDS[dtype]
+    lo, hi = torch.tensor(grid[1:-1]), torch.tensor(grid[2:])
+    picks = [lo + (hi - lo) * f for f in (0.0, 0.5, 0.25, 0.8125, 1 / 3)]
+    x = torch.cat([torch.tensor([grid[-1]])] + picks + [torch.tensor([2.0 ** -30, 1e-7, 3.3e-6])])
+    return x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_unbiased_between_two_neighbours(dtype):
+    """Each position rounds only to its two grid neighbours, and the mean over R copies of the
+    block is within 5 standard deviations of the value (Bernoulli(p) over a step)."""
+    x = block_for(dtype)
+    if dtype == torch.int8:
+        x = x * torch.where(torch.arange(x.numel()) % 2 == 0, 1.0, -1.0)  # both signs
+    R = 4096
+    _, s, y = roundtrip(x.repeat(R), dtype, block_size=x.numel())
+    assert torch.equal(s, torch.ones_like(s))
+    y = y.view(R, -1).double()
+    grid = torch.tensor(GRIDS[dtype], dtype=torch.float64)
+    xd = x.double()
+    lo = grid[torch.searchsorted(grid, xd, right=True) - 1]
+    hi = grid[torch.searchsorted(grid, xd, right=False).clamp(max=grid.numel() - 1)]
+    assert ((y == lo) | (y == hi)).all()
+    step = (hi - lo).clamp(min=1e-300)
+    p = ((xd - lo) / step)
+    bound = 5 * step * (p * (1 - p) / R).sqrt() + 1e-300
+    assert ((y.mean(0) - xd).abs() <= bound).all()
+    assert ((y == hi).double().mean(0)[p > 0] - p[p > 0]).abs().max() < 5 * math.sqrt(0.25 / R)
+
+
+def test_zero_block_and_tail_block():
+    """An all-zero block stores zeros; a tail block's scale is its own (2**-7 or 0.5, against
+    the full blocks' 8 or 512), the same as quantizing the tail alone."""
+    x = torch.cat([torch.zeros(B), torch.full((B,), 960.0), torch.full((37,), 0.5)])
+    for dtype in (torch.int8, torch.uint8):
+        q, s, y = roundtrip(x, dtype)
+        assert s.numel() == 3 and q[:B].eq(0).all() and y[:B].eq(0).all() and not y[:B].signbit().any()
+        assert s[1:].tolist() == ([8.0, 2.0 ** -7] if dtype == torch.int8 else [512.0, 0.5])
+        assert torch.equal(y[B:], x[B:])  # 960 and 0.5 lie on both grids
+        q_tail, s_tail, _ = roundtrip(x[2 * B:].clone(), dtype)
+        assert torch.equal(s_tail, s[2:]) and torch.equal(q_tail, q[2 * B:])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_one_huge_outlier(dtype):
+    """One 1e6 among 1e-3s: the block's scale follows the outlier, its small values round
+    to 0 or the step above unbiasedly; the next block keeps its own fine scale."""
+    block = torch.full((B,), 1e-3)
+    block[17] = 1e6
+    x = torch.cat([block.repeat(64), torch.full((B,), 1e-3)])
+    _, s, y = roundtrip(x, dtype)
+    assert s[0].item() == (2.0 ** 13 if dtype == torch.int8 else 2.0 ** 19)
+    small = y[:-B].view(64, B)[:, torch.arange(B) != 17]
+    step = s[0].item() * (1 if dtype == torch.int8 else 2.0 ** -18)
+    assert set(small.unique().tolist()) <= {0.0, step}
+    n = small.numel()
+    assert abs(small.double().mean().item() - 1e-3) < 5 * step * math.sqrt(1e-3 / step / n)
+    assert (y[-B:] - 1e-3).abs().max() <= (1e-3 / 64 if dtype == torch.int8 else 1e-3 / 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -1.0])
+def test_non_finite_poisons_its_block_only(dtype, bad):
+    """A block holding NaN or +-inf (and, in uint8, a negative value) gets a NaN scale: all of
+    it reads back NaN; the other blocks are untouched. (int8 stores -1.0 as usual.)"""
+    x = torch.rand(3 * B)
+    x[B + 5] = bad
+    _, s, y = roundtrip(x, dtype)
+    ok_values = not math.isnan(bad) and math.isfinite(bad) and dtype == torch.int8
+    assert y[B:2 * B].isnan().all() != ok_values and s[1].isnan() != ok_values
+    clean = x.clone()
+    clean[B + 5] = 0.5
+    y_clean = roundtrip(clean, dtype)[2]  # the same random bits
+    assert torch.equal(y_clean[:B], y[:B]) and torch.equal(y_clean[2 * B:], y[2 * B:])
+
+
+def test_generator_reproducible():
+    x = torch.randn(5000)
+    a, b, c = (roundtrip(x, torch.int8, seed)[0] for seed in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    g = torch.Generator().manual_seed(3)
+    state = g.get_state()
+    q1, q2, s = torch.empty(5000, dtype=torch.uint8), torch.empty(5000, dtype=torch.uint8), torch.empty(num_blocks(5000))
+    quantize_(q1, s, x.abs(), g)
+    g.set_state(state)
+    quantize_(q2, s, x.abs(), g)
+    assert torch.equal(q1, q2)
+
+
+def test_empty_and_bad_arguments():
+    quantize_(torch.empty(0, dtype=torch.int8), torch.empty(0), torch.empty(0))
+    q, s, x = torch.empty(10, dtype=torch.int8), torch.empty(1), torch.zeros(10)
+    with pytest.raises(TypeError, match="q must be a flat contiguous tensor of dtype torch.int8 or torch.uint8"):
+        quantize_(q.short(), s, x)
+    with pytest.raises(TypeError, match="x must be a flat contiguous tensor of dtype torch.float32"):
+        quantize_(q, s, x.double())
+    with pytest.raises(TypeError, match="out must be a flat"):
+        dequantize(q, s, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"scales num_blocks\(10, 4\) = 3, got 10 and 1"):
+        quantize_(q, s, x, block_size=4)
+    with pytest.raises(ValueError, match="block_size=0: expected a positive integer"):
+        num_blocks(10, 0)
