@@ -52,7 +52,7 @@ def worker(name, threads, report=None):
     layers = len([m for m in model.modules() if not list(m.children())])
     params = sum(p.numel() for p in model.parameters())
     return {"model": name, "two_steps_s": steps_s, "report_s": report_s, "layers": layers, "params": params,
-            "rss_rise_mib": meter.peak_mib(), "param_grad_mib": 8 * params / 2**20, "rows": len(rep.to_dict()["rows"])}
+            "rss_rise_mib": meter.peak_mib(), "param_grad_mib": 8 * params / 2**20, "rows": len(rep.to_dict()["layers"])}
 
 
 def main(argv=None):
@@ -74,7 +74,7 @@ def main(argv=None):
         rows.append(row)
     print(format_table(["model", "params", "layers", "two fp32 steps s", "report s", "ratio", "extra ms/layer",
                         "RSS rise MiB", "params+grads MiB"],
-                       [[r["model"], r["params"], r["layers"], f"{r['two_steps_s']:.2f}", f"{r['report_s']:.2f}",
+                       [[r["model"], str(r["params"]), str(r["layers"]), f"{r['two_steps_s']:.2f}", f"{r['report_s']:.2f}",
                          f"{r['ratio']:.2f}", f"{r['extra_ms_per_layer']:.1f}", f"{r['rss_rise_mib']:.0f}",
                          f"{r['param_grad_mib']:.0f}"] for r in rows]))
     result = {"machine": machine(torch.device("cpu")), "threads": args.threads, "repeats": args.repeats,
