@@ -55,14 +55,14 @@ def _check_kinds(caller: str, model, optimizer) -> None:
                         f"got a {type(optimizer).__name__}{swapped if isinstance(optimizer, nn.Module) else ''}.")
 
 
-def _scalers(optimizer, caller: str):
+def _run_of(optimizer, caller: str):
     state = getattr(optimizer, "_ampkit", None)
     if state is None:
         raise ValueError(
             f"ampkit.checkpoint.{caller}(optimizer=...): this {type(optimizer).__name__} did not go through "
             f"ampkit.initialize; call initialize (with the same opt_level as the run that saved) first."
         )
-    return state.run.scalers
+    return state.run
 
 
 def _refuse_sharded(model: nn.Module, caller: str) -> None:
@@ -72,11 +72,6 @@ def _refuse_sharded(model: nn.Module, caller: str) -> None:
             f"per run cannot hold every rank's shards. Use ampkit.parallel.{caller}_sharded(checkpoint_dir, "
             f"model, optimizer) (torch.distributed.checkpoint, each rank writes its shards)."
         )
-
-
-def _rounding(optimizer):
-    """The stochastic-rounding generators of the optimizer's run (O7), or None."""
-    return optimizer._ampkit.run.rounding
 
 
 # --- digest -------------------------------------------------------------------------------
@@ -158,16 +153,14 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
     _check_kinds("save", model, optimizer)
     _check_extra(extra, "extra")
     _refuse_sharded(model, "save")
-    scalers = _scalers(optimizer, "save")
+    run = _run_of(optimizer, "save")
     payload = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "amp": {f"loss_scaler{i}": dict(s.state_dict()) for i, s in enumerate(scalers)},
+        "amp": run.state_dict(),  # loss scalers, and the rounding generators at O7
         "extra": {} if extra is None else extra,
         "optimizer_class": _class_name(optimizer),
     }
-    if _rounding(optimizer) is not None:
-        payload["amp"][ROUNDING] = _rounding(optimizer).state_dict()
     blob = {"format": FORMAT, "version": VERSION, "sha256": _digest(payload), **payload}
     buf = io.BytesIO()
     torch.save(blob, buf)
@@ -319,7 +312,8 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     where = f"ampkit.checkpoint.load({os.fspath(path)!r})"
     _check_kinds("load", model, optimizer)
     _refuse_sharded(model, "load")
-    scalers = _scalers(optimizer, "load")
+    run = _run_of(optimizer, "load")
+    scalers = run.scalers
     payload = _read(path)
     _check_model(where, model, payload["model"])
     _check_optimizer(where, optimizer, payload["optimizer"], payload.get("optimizer_class"))
@@ -328,7 +322,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     undo_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
     undo_opt = copy.deepcopy(optimizer.state_dict())
     undo_amp = [dict(s.state_dict()) for s in scalers]
-    rounder = _rounding(optimizer)
+    rounder = run.rounding
     undo_rounding = rounder.state_dict() if rounder is not None else None
     try:
         model.load_state_dict(payload["model"])

@@ -220,7 +220,7 @@ _CHECKS = {
     "cast_model_type": _cast_model_type,
     "patch_torch_functions": lambda v: _bool("patch_torch_functions", v),
     "keep_batchnorm_fp32": _keep_batchnorm_fp32,
-    "master_weights": lambda v: _master_weights(v),
+    "master_weights": _master_weights,
     "loss_scale": _loss_scale,
     "half_dtype": _half_dtype,
     "low_precision_layernorm": lambda v: _bool("low_precision_layernorm", v),

@@ -75,14 +75,14 @@ def run_of(caller: str, optimizer=None, model=None):
     return current(caller)
 
 
-def of_optimizer(caller: str, optimizer, argument: str = "optimizer"):
+def of_optimizer(caller: str, optimizer):
     """The run of an optimizer returned by ``initialize``; a clear error for anything else."""
     if not hasattr(optimizer, "param_groups"):
-        raise TypeError(f"{caller}: {argument}= expects an optimizer returned by ampkit.initialize, got "
+        raise TypeError(f"{caller}: optimizer= expects an optimizer returned by ampkit.initialize, got "
                         f"{_kind(optimizer)}.")
     state = getattr(optimizer, "_ampkit", None)
     if state is None:
-        raise ValueError(f"{caller}: {argument}={type(optimizer).__name__} did not go through ampkit.initialize.")
+        raise ValueError(f"{caller}: optimizer={type(optimizer).__name__} did not go through ampkit.initialize.")
     return state.run
 
 

@@ -78,17 +78,21 @@ class TransientUpdate:
         grads = {p: p.grad for _, _, p in slots}
         for p in grads:
             p.grad = None  # each chunk's step sees only its own gradients
-        result, before, after = None, _group_settings(opt), {}
+        parts = chunks(slots, CHUNK_ELEMENTS)
+        several = len(parts) > 1  # then each call starts from the groups as the step found them
+        result, before, after = None, _group_settings(opt) if several else {}, {}
         try:
-            for k, chunk in enumerate(chunks(slots, CHUNK_ELEMENTS)):
-                if k:  # every chunk starts from the groups as the step found them
+            for k, chunk in enumerate(parts):
+                if k:
                     _restore_group_settings(opt, before)
                 result = self._step_chunk(chunk, grads)
-                after.update(_changed_settings(opt, before))
+                if several:
+                    after.update(_changed_settings(opt, before))
         finally:
             for p, g in grads.items():
                 p.grad = g
-        _restore_group_settings(opt, {**before, **after})  # one step's worth of group counters
+        if several:
+            _restore_group_settings(opt, {**before, **after})  # one step's worth of group counters
         return result
 
     def _step_chunk(self, chunk, grads):
@@ -107,8 +111,9 @@ class TransientUpdate:
             with torch.no_grad():
                 torch._foreach_copy_(wide, srcs)
         copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
-        if self.model_states is not None:  # the exact fp32 masters, not the widened bf16 weights
-            combine(half, self._remainders(half), copies)
+        rems = None if self.model_states is None else self._remainders(half)
+        if rems is not None:  # the exact fp32 masters, not the widened bf16 weights
+            combine(half, rems, copies)
         for (st, k, _), w in zip(stored, wide[2 * len(half):]):
             st[k] = w
         copy_of = dict(zip(half, zip(copies, grad_copies)))
@@ -125,8 +130,8 @@ class TransientUpdate:
                 swapped.append((group, i, p, f))
             result = self.step()
             with torch.no_grad():
-                if self.model_states is not None:
-                    split_(half, self._remainders(half), copies)
+                if rems is not None:
+                    split_(half, rems, copies)
                 else:
                     self.round_into(half, copies)
                 self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into,
@@ -233,10 +238,12 @@ def _elementwise(key, value, p: torch.Tensor) -> bool:
     return key != "step" and torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape
 
 
-def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state_dtype: Optional[torch.dtype]) -> None:
-    """Make ``opt_state``'s optimizer step through a :class:`TransientUpdate`."""
+def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state_dtype: Optional[torch.dtype],
+           model_states=None) -> None:
+    """Make ``opt_state``'s optimizer step through a :class:`TransientUpdate` (with the models'
+    remainders as the masters when ``model_states`` is given)."""
     opt = opt_state.optimizer
-    update = TransientUpdate(opt, opt_state._step, rounding, rounder, state_dtype)
+    update = TransientUpdate(opt, opt_state._step, rounding, rounder, state_dtype, model_states)
     opt_state._step = update
     update.load = opt.load_state_dict
     opt.load_state_dict = types.MethodType(_load_state_dict, opt)
@@ -256,5 +263,4 @@ def attach_remainders(opt_state, originals: dict, state_dtype: Optional[torch.dt
             original = originals.get(p)
             exact = original is not None and original.dtype == torch.float32 and original.shape == p.shape
             owner.remainders[p] = remainder(original if exact else p.detach().float())
-    attach(opt_state, "nearest", None, state_dtype)
-    opt_state._step.model_states = opt_state.model_states
+    attach(opt_state, "nearest", None, state_dtype, opt_state.model_states)

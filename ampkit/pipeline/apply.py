@@ -25,7 +25,7 @@ def apply(plan: Plan) -> Run:
               optimizer_names=[type(o).__name__ for o in plan.request.optimizers])
     # Masters start from the fp32 values, not from the rounded half copies: keep the
     # pre-cast tensors (no copy; the cast rebinds .data).
-    remainder = props.master_weights == REMAINDER and props.cast_model_type in HALF_DTYPES
+    remainder = props.master_weights == REMAINDER  # levels.resolve allows it only for a bf16 model
     keep = plan.use_masters or remainder
     originals = {p: p.data for m in plan.request.models for p in m.parameters()} if keep else {}
     for m in plan.request.models:
