@@ -11,6 +11,7 @@ from torch import nn
 from ...install.float8 import eligible
 from ...install.hardware import Capabilities, capabilities, model_device
 from ...core.levels import OPT_LEVELS
+from ...core.text_table import format_table
 from . import html
 from .measure import DYNAMIC_START, Measurements, measure
 from .verdicts import (
@@ -25,16 +26,6 @@ DEFAULT_LEVELS = ("O1", "O2", "O3", "O4", "O5", "O6", "O7")
 def _ratio(row: Row, key: str) -> float:
     value, limit = row.values.get(key) or 0.0, BY_KEY[key].limit
     return value / limit if limit else (math.inf if value > 0 else 0.0)
-
-
-def _aligned(head: List[str], body: List[List[str]]) -> str:
-    """Columns two spaces apart under a dashed rule; the first two left-aligned, the figures right-aligned."""
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(row) for row in body])
 
 
 def _show(value: Optional[float]) -> str:
@@ -85,7 +76,7 @@ class PrecisionReport:
         head = ["layer", "type"] + [m.header for m in self.metrics]
         body = [[r.name or "(model)", r.type if r.kind == MODULE else f"{r.type} param"]
                 + [_show(r.values.get(m.key)) for m in self.metrics] for r in self.rows]
-        return _aligned(head, body)
+        return format_table(head, body, left=2)
 
     def _summary(self) -> str:
         m = self.measurements
