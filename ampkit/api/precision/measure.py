@@ -1,15 +1,18 @@
 """What the precision report measures: up to two fp32 training steps on a copy, with hooks.
 
 Every tensor a hook sees is reduced at once to a :class:`Stats`: its element count, its
-non-finite and zero counts, its largest magnitude, and how many of its magnitudes lie below
-each value of :data:`EDGES` -- the magnitudes at which a value, multiplied by a loss scale
-``2**k``, overflows float16 or rounds to zero there (and the same for bfloat16 unscaled).
+non-finite count, its largest finite magnitude, and a histogram of its magnitudes with three
+bins per float32 binade (see :func:`magnitude_keys`), whose edges are exactly the magnitudes at
+which a value, multiplied by a loss scale ``2**k``, overflows float16 or rounds to zero there.
 From those counts the share of elements that overflow or flush is exact for any of these
-scales, so one pass serves every opt level. Nothing else of a tensor is kept.
+scales, so one pass serves every opt level; bfloat16's two edges, which fall inside a bin, are
+counted exactly in a second pass over the tensor only when that bin holds something. Nothing
+else of a tensor is kept.
 
 Linear layers that O6 would convert are also run once through an emulated fp8 matmul
 (``torch.float8_e4m3fn`` input and weight, one scale per tensor: amax maps to 448, as a
-dynamic tensorwise recipe does) on the input the layer was called with.
+dynamic tensorwise recipe does) on the input the layer was called with, and compared with
+the output it gave.
 """
 import copy
 import dataclasses
@@ -29,78 +32,137 @@ BF16_OVERFLOW = (2.0 - 2.0 ** -8) * 2.0 ** 127
 BF16_FLUSH = 2.0 ** -134
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 DEFAULT_LR = 1e-3  # SGD's learning rate when no optimizer is given
+FP8_ROWS = 256  # rows of a Linear's input (and output gradient) that its emulated fp8 figures sample
+
+_MANTISSA = 23
+_FP16_OVERFLOW_MANTISSA = 0x7FF000  # FP16_OVERFLOW * 2**k has this float32 mantissa for every k
+_FINITE_MAX_BITS = 0x7F7FFFFF  # float32 max as int32
+_BINS = 511  # magnitude_keys' range: 0 (zero) to 510 (the top of binade 254, and what was not finite)
+_BF16_OVERFLOW_BITS = 0x7F7F8000  # bits of BF16_OVERFLOW
+_BF16_FLUSH_BITS = 0x8000  # bits of BF16_FLUSH (a float32 subnormal)
 
 
-def _next_up(value: float) -> float:
-    """The next float32 above ``value`` (so ``|x| < edge`` means ``|x| <= value`` in float32)."""
-    t = torch.tensor(value, dtype=torch.float32)
-    return torch.nextafter(t, torch.tensor(math.inf)).item()
+def _bits(value: float) -> int:
+    return torch.tensor(value, dtype=torch.float32).view(torch.int32).item()
 
 
-def _edges() -> Tuple[Tuple[float, ...], Dict[Tuple[str, str, int], int]]:
-    """Sorted thresholds, and (dtype, "overflow"/"flush", scale exponent) -> index among them."""
-    named = {("bfloat16", "overflow", 0): BF16_OVERFLOW, ("bfloat16", "flush", 0): _next_up(BF16_FLUSH)}
-    for e in SCALE_EXPONENTS:
-        named[("float16", "overflow", e)] = FP16_OVERFLOW * 2.0 ** -e
-        named[("float16", "flush", e)] = _next_up(FP16_FLUSH * 2.0 ** -e)
-    edges = sorted(set(named.values()))
-    return tuple(edges), {key: edges.index(v) for key, v in named.items()}
+def magnitude_keys(x: torch.Tensor) -> torch.Tensor:
+    """Each element's magnitude as a bin (int32, 0 to 510), two per float32 binade ``E``: bin
+    ``2E+1`` holds the magnitudes above ``2**(E-127)`` and below the binade's ``FP16_OVERFLOW``
+    edge (the one with ``FP16_OVERFLOW``'s mantissa), bin ``2E+2`` those from that edge up to
+    ``2**(E-126)`` inclusive; bin 0 is zero. A non-finite element counts as the largest float32
+    (bin 510)."""
+    bits = x.reshape(-1).view(torch.int32).bitwise_and(0x7FFFFFFF).clamp_(max=_FINITE_MAX_BITS)
+    past_edge = torch.add(bits, (1 << _MANTISSA) - _FP16_OVERFLOW_MANTISSA).bitwise_right_shift_(_MANTISSA)
+    past_power = bits.add_((1 << _MANTISSA) - 1).bitwise_right_shift_(_MANTISSA)  # E + (mantissa > 0)
+    return past_edge.add_(past_power)
 
 
-EDGES, EDGE_INDEX = _edges()
+def _fp16_overflow_key(scale_exp: int) -> int:
+    """Magnitudes at or above ``FP16_OVERFLOW * 2**-scale_exp`` are the bins from this key on."""
+    return 2 * (_bits(FP16_OVERFLOW * 2.0 ** -scale_exp) >> _MANTISSA) + 2
+
+
+def _fp16_flush_key(scale_exp: int) -> int:
+    """Nonzero magnitudes at or below ``FP16_FLUSH * 2**-scale_exp`` are the bins 1 up to this key."""
+    return 2 * (_bits(FP16_FLUSH * 2.0 ** -scale_exp) >> _MANTISSA)
 
 
 @dataclasses.dataclass
 class Stats:
     """Element counts of the tensors one hook saw (summed over calls and steps).
 
-    ``below[i]``: finite elements with magnitude below ``EDGES[i]``.
+    ``hist[k]``: elements in :func:`magnitude_keys` bin ``k``, the non-finite ones included (bin
+    510); ``bf16_overflow`` / ``bf16_flush``: finite elements bfloat16 rounds to inf / nonzero
+    ones it rounds to 0.
     """
 
     numel: int
     nonfinite: int
-    zeros: int
     amax: float
-    below: List[int]
+    hist: List[int]
+    bf16_overflow: int = 0
+    bf16_flush: int = 0
 
-    def _index(self, dtype: str, what: str, scale: float) -> int:
-        e = math.log2(scale)
-        if (dtype, what, e) not in EDGE_INDEX:
-            raise ValueError(f"scale={scale!r}: expected a power of two from 2**-24 to 2**16 (1 for bfloat16).")
-        return EDGE_INDEX[(dtype, what, int(e))]
+    @property
+    def zeros(self) -> int:
+        return self.hist[0]
 
     def overflow(self, dtype: str, scale: float = 1.0) -> float:
         """Share of elements that overflow ``dtype`` ("float16"/"bfloat16") once multiplied by ``scale``."""
-        finite = self.numel - self.nonfinite
-        return (finite - self.below[self._index(dtype, "overflow", scale)]) / max(self.numel, 1)
+        if dtype == "bfloat16" and scale == 1.0:
+            return self.bf16_overflow / max(self.numel, 1)
+        count = sum(self.hist[_fp16_overflow_key(self._exponent(dtype, scale)):]) - self.nonfinite
+        return count / max(self.numel, 1)
 
     def flush(self, dtype: str, scale: float = 1.0) -> float:
         """Share of elements, nonzero in fp32, that round to zero in ``dtype`` once multiplied by ``scale``."""
-        return (self.below[self._index(dtype, "flush", scale)] - self.zeros) / max(self.numel, 1)
+        if dtype == "bfloat16" and scale == 1.0:
+            return self.bf16_flush / max(self.numel, 1)
+        return sum(self.hist[1:_fp16_flush_key(self._exponent(dtype, scale)) + 1]) / max(self.numel, 1)
+
+    @staticmethod
+    def _exponent(dtype: str, scale: float) -> int:
+        e = math.log2(scale) if scale > 0 else math.nan
+        if dtype != "float16" or e not in SCALE_EXPONENTS:
+            raise ValueError(f"scale={scale!r}: expected a power of two from 2**-24 to 2**16 (1 for bfloat16).")
+        return int(e)
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``t`` is finite, as a device boolean (one pass, no copy)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t.detach())
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 class _Acc:
     """Running counts of one name, kept on the tensors' device until :meth:`stats`."""
 
     def __init__(self):
-        self.counts: Optional[torch.Tensor] = None
+        self.hist: Optional[torch.Tensor] = None
+        self.counts: Optional[torch.Tensor] = None  # numel, nonfinite, bf16 overflow, bf16 flush
         self.amax: Optional[torch.Tensor] = None
 
-    def add(self, t: torch.Tensor, edges: torch.Tensor) -> None:
-        a = t.detach().float().abs().flatten()
-        finite = torch.isfinite(a)
-        a = torch.where(finite, a, torch.zeros((), device=a.device))
-        nonfinite = a.numel() - finite.sum()
-        head = torch.stack([torch.tensor(a.numel(), device=a.device), nonfinite, (a == 0).sum() - nonfinite])
-        below = torch.bucketize(a, edges, right=True).bincount(minlength=len(edges) + 1).cumsum(0)[:-1]
-        counts = torch.cat([head, below])
-        amax = a.max() if a.numel() else torch.zeros((), device=a.device)
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t``; returns its number of non-finite elements (a device integer)."""
+        x = t.detach().float()
+        hist = torch.bincount(magnitude_keys(x), minlength=_BINS)
+        amax, nonfinite, over, flush = self._tails(x, hist)
+        counts = torch.stack([torch.tensor(x.numel(), device=x.device), nonfinite, over, flush])
+        self.hist = hist if self.hist is None else self.hist + hist
         self.counts = counts if self.counts is None else self.counts + counts
         self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
+        return nonfinite
+
+    @staticmethod
+    def _tails(x: torch.Tensor, hist: torch.Tensor):
+        """Largest finite magnitude, non-finite count, bfloat16 overflow and flush counts: exact,
+        from a second pass only where the histogram's top or bottom bins hold something."""
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        if x.numel() == 0:
+            return torch.zeros((), device=x.device), zero, zero, zero
+        top, tiny = hist[509:].sum().item(), hist[1].item()  # a sync (free on CPU) decides the passes
+        nonfinite = over = flush = zero
+        if top:
+            a = x.abs().flatten()
+            finite = torch.isfinite(a)
+            nonfinite = (~finite).sum()
+            a = torch.where(finite, a, torch.zeros((), device=a.device))
+            amax = a.amax()
+            over = (a.view(torch.int32) >= _BF16_OVERFLOW_BITS).sum()
+        else:
+            lo, hi = torch.aminmax(x)
+            amax = torch.maximum(-lo, hi)
+        if tiny:
+            bits = x.flatten().view(torch.int32).bitwise_and(0x7FFFFFFF)
+            flush = ((bits > 0) & (bits <= _BF16_FLUSH_BITS)).sum()
+        return amax, nonfinite, over, flush
 
     def stats(self) -> Stats:
-        numel, nonfinite, zeros, *below = self.counts.tolist()  # below counts the non-finite as zeros
-        return Stats(numel, nonfinite, zeros, self.amax.item(), [b - nonfinite for b in below])
+        numel, nonfinite, over, flush = self.counts.tolist()
+        return Stats(numel, nonfinite, self.amax.item(), self.hist.tolist(), over, flush)
 
 
 @dataclasses.dataclass
@@ -113,16 +175,28 @@ class Fp8:
     grad_flush: Optional[float]
 
 
-def fp8_qdq(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """``t`` through ``dtype`` with one scale for the tensor (its amax maps to the format's max), back in fp32."""
+def fp8_qdq(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t`` through ``dtype`` with one scale for the tensor (``amax``, by default ``t``'s largest
+    magnitude, maps to the format's max), back in fp32."""
     t = t.detach().float()
     fmax = torch.finfo(dtype).max
-    scale = fmax / t.abs().amax().clamp(min=1e-12)
-    return (t * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+    scale = fmax / (_amax(t) if amax is None else amax).clamp(min=1e-12)
+    return (t * scale).clamp_(-fmax, fmax).to(dtype).float().div_(scale)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(-lo, hi)
+
+
+def _sample_rows(t: torch.Tensor) -> torch.Tensor:
+    """At most :data:`FP8_ROWS` evenly spaced rows of 2-d ``t``."""
+    return t[::-(-t.shape[0] // FP8_ROWS)] if t.shape[0] > FP8_ROWS else t
 
 
 class _Fp8Acc:
-    """Squared error norms and flush counts of one Linear's emulated fp8 matmuls."""
+    """Squared error norms and flush counts of one Linear's emulated fp8 matmuls, on at most
+    :data:`FP8_ROWS` evenly spaced rows of each input (each tensor's scale from all of it)."""
 
     def __init__(self):
         self.sums: Dict[str, torch.Tensor] = {}
@@ -130,23 +204,31 @@ class _Fp8Acc:
     def _add(self, key, value):
         self.sums[key] = value if key not in self.sums else self.sums[key] + value
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> None:
-        x = x.detach().float().reshape(-1, x.shape[-1])
-        if not (torch.isfinite(x).all() and torch.isfinite(weight).all()):
+    def forward(self, x: torch.Tensor, linear: nn.Linear, output) -> None:
+        """The error of ``linear``'s matmul on input ``x`` in fp8 against the fp32 ``output`` it gave."""
+        x, weight = x.detach().float().reshape(-1, x.shape[-1]), linear.weight.detach().float()
+        if not bool(all_finite(x) & all_finite(weight)):
             return
-        xq, wq = fp8_qdq(x), fp8_qdq(weight)
-        ref = F.linear(x, weight.detach().float())
+        rows = _sample_rows(x)
+        xq, wq = fp8_qdq(rows, amax=_amax(x)), fp8_qdq(weight)
+        if isinstance(output, torch.Tensor) and output.dtype == torch.float32 and output.numel() == x.shape[0] * weight.shape[0]:
+            ref = _sample_rows(output.detach().reshape(x.shape[0], -1))  # the layer's own fp32 matmul, plus its bias
+            ref = ref - linear.bias.detach() if linear.bias is not None else ref
+        else:
+            ref = F.linear(rows, weight)
         self._add("err2", (F.linear(xq, wq) - ref).square().sum())
         self._add("ref2", ref.square().sum())
-        for key, t, q in (("x", x, xq), ("w", weight.detach(), wq)):
+        for key, t, q in (("x", rows, xq), ("w", weight, wq)):
             self._add(key + "_flush", ((q == 0) & (t != 0)).sum())
             self._add(key + "_n", torch.tensor(t.numel(), device=t.device))
 
     def grad(self, g: torch.Tensor) -> None:
-        if torch.isfinite(g).all():
-            q = fp8_qdq(g, torch.float8_e5m2)
-            self._add("g_flush", ((q == 0) & (g != 0)).sum())
-            self._add("g_n", torch.tensor(g.numel(), device=g.device))
+        g = g.reshape(-1, g.shape[-1]) if g.dim() > 1 else g.reshape(1, -1)
+        if all_finite(g):
+            rows = _sample_rows(g)
+            q = fp8_qdq(rows, torch.float8_e5m2, amax=_amax(g))
+            self._add("g_flush", ((q == 0) & (rows != 0)).sum())
+            self._add("g_n", torch.tensor(rows.numel(), device=g.device))
 
     def result(self) -> Optional[Fp8]:
         if "err2" not in self.sums:
@@ -214,13 +296,8 @@ class Recorder:
         self.grads = {n: _Acc() for n, _ in model.named_parameters()}
         self.produced: Dict[str, torch.Tensor] = {}
         self.fp8 = {n: _Fp8Acc() for n in fp8_names}
+        self.fp8_on = True  # the emulated fp8 figures come from the first step only
         self.lost: Dict[str, torch.Tensor] = {}  # parameter -> [moved, lost bf16, lost fp16]
-        self._edges: Dict[torch.device, torch.Tensor] = {}
-
-    def edges(self, device: torch.device) -> torch.Tensor:
-        if device not in self._edges:
-            self._edges[device] = torch.tensor(EDGES, dtype=torch.float32, device=device)
-        return self._edges[device]
 
     def attach(self) -> List[Any]:
         return [m.register_forward_hook(self._forward_hook(n)) for n, m in self.leaves.items()]
@@ -228,38 +305,37 @@ class Recorder:
     def _forward_hook(self, name: str) -> Callable:
         def hook(module, args, output):
             outs = list(_tensors(output))
+            bad = [self.acts[name].add(t) for t in outs]
             for t in outs:
-                self.acts[name].add(t, self.edges(t.device))
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(name))
             if outs:
-                self._count_produced(name, list(_tensors(args)), outs)
-            if name in self.fp8 and args and isinstance(args[0], torch.Tensor):
-                self.fp8[name].forward(args[0], module.weight)
+                self._count_produced(name, list(_tensors(args)), bad)
+            if self.fp8_on and name in self.fp8 and args and isinstance(args[0], torch.Tensor):
+                self.fp8[name].forward(args[0], module, output)
         return hook
 
     def _grad_hook(self, name: str) -> Callable:
         def hook(grad):
-            self.out_grads[name].add(grad, self.edges(grad.device))
-            if name in self.fp8:
+            self.out_grads[name].add(grad)
+            if self.fp8_on and name in self.fp8:
                 self.fp8[name].grad(grad.detach().float())
         return hook
 
-    def _count_produced(self, name, inputs, outs) -> None:
-        bad = sum((~torch.isfinite(t.detach())).sum() for t in outs)
+    def _count_produced(self, name, inputs, bad_counts) -> None:
+        bad = sum(bad_counts)
         for t in inputs:  # counted only when every input was finite (on the device: no sync)
-            bad = bad * torch.isfinite(t.detach()).all().to(bad.device)
+            bad = bad * all_finite(t).to(bad.device)
         self.produced[name] = bad if name not in self.produced else self.produced[name] + bad
 
     def record_grads(self) -> bool:
         """Count every parameter's gradient; whether all of them are finite."""
-        finite = []
+        bad = []
         for name, p in self.model.named_parameters():
             if p.grad is not None:
                 g = p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-                self.grads[name].add(g, self.edges(g.device))
-                finite.append(torch.isfinite(g).all())
-        return bool(torch.stack(finite).all()) if finite else True
+                bad.append(self.grads[name].add(g))
+        return not bool(torch.stack(bad).any()) if bad else True
 
     def record_updates(self, before: Dict[str, torch.Tensor]) -> None:
         """Count, per parameter, the update elements a bf16 / fp16 weight would not register."""
@@ -336,6 +412,7 @@ def measure(model: nn.Module, loss_fn: Callable, batches: List[Any], optimizer, 
             steps: List[Tuple[float, bool]] = []
             for batch in batches:  # updates of the first applied step only
                 steps.append(_step(twin, opt, loss_fn, batch, rec, updates=not any(ok for _, ok in steps)))
+                rec.fp8_on = False
         finally:
             for h in handles:
                 h.remove()

@@ -2,6 +2,7 @@
 the JSON, the command."""
 import copy
 import json
+import math
 import sys
 
 import pytest
@@ -11,39 +12,65 @@ from torch import nn
 
 from ampkit.apps.report import main_report
 from ampkit.api.precision import precision_report
-from ampkit.api.precision.measure import EDGE_INDEX, Stats, _Acc, EDGES
+from ampkit.api.precision.measure import (BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_OVERFLOW, SCALE_EXPONENTS, Stats,
+                                          _Acc, magnitude_keys)
 
 from . import _models as M
 
 
-@pytest.mark.parametrize("scale_exp", [16, 8, 0, -10, -24])
-def test_counts_match_real_rounding_at_every_scale(scale_exp):
-    scale = 2.0 ** scale_exp
-    g = torch.Generator().manual_seed(scale_exp + 100)
+EDGES = torch.tensor([v * 2.0 ** -e for e in SCALE_EXPONENTS for v in (FP16_OVERFLOW, FP16_FLUSH)] + [BF16_OVERFLOW, BF16_FLUSH])
+
+
+def _values(seed, tails):
+    """Random magnitudes over 100 binades, every edge at scales 2**-24..2**16 and its float32 neighbours,
+    zeros, and (``tails``) bfloat16's edges, subnormals, float32's largest values and NaN/inf."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(4000, generator=g) * torch.pow(2.0, torch.randint(-60, 40, (4000,), generator=g).float())
-    edges = torch.tensor(EDGES)
-    x = torch.cat([x, edges / scale, -torch.nextafter(edges, torch.tensor(0.0)) / scale, torch.zeros(7),
-                   torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    edges = EDGES if tails else EDGES[:-2]
+    near = [edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(math.inf))]
+    parts = [x, *near, -near[1], torch.zeros(7)]
+    if tails:
+        parts.append(torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -3.3e38, 1e-45, -1e-40, 2e-41]))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("tails", [True, False])
+@pytest.mark.parametrize("scale_exp", [16, 8, 0, -10, -24])
+def test_counts_match_real_rounding_at_every_scale(scale_exp, tails):
+    scale = 2.0 ** scale_exp
+    x = _values(scale_exp + 100, tails)
     acc = _Acc()
-    acc.add(x, torch.tensor(EDGES, dtype=torch.float32))
+    assert acc.add(x[: x.numel() // 2]).item() == (~torch.isfinite(x[: x.numel() // 2])).sum().item()
+    acc.add(x[x.numel() // 2:])  # two calls: the counts add up
     stats = acc.stats()
     finite = torch.isfinite(x)
     half = (x * scale).half()
-    assert stats.numel == x.numel() and stats.nonfinite == (~finite).sum().item() >= 3
+    assert stats.numel == x.numel() and stats.nonfinite == (~finite).sum().item() == (3 if tails else 0)
     assert stats.zeros == (x == 0).sum().item() >= 7
-    assert stats.overflow("float16", scale) * x.numel() == (finite & torch.isinf(half)).sum().item()
-    assert stats.flush("float16", scale) * x.numel() == (finite & (x != 0) & (half == 0)).sum().item()
-    if scale == 1.0:
-        bf = x.bfloat16()
-        assert stats.overflow("bfloat16") * x.numel() == (finite & torch.isinf(bf)).sum().item()
-        assert stats.flush("bfloat16") * x.numel() == (finite & (x != 0) & (bf == 0)).sum().item()
+    assert stats.amax == x[finite].abs().max().item()
+    n, bf = x.numel(), x.bfloat16()
+    overflow_bf16, flush_bf16 = (finite & torch.isinf(bf)).sum().item(), (finite & (x != 0) & (bf == 0)).sum().item()
+    assert stats.overflow("float16", scale) == (finite & torch.isinf(half)).sum().item() / n
+    assert stats.flush("float16", scale) == (finite & (x != 0) & (half == 0)).sum().item() / n
+    assert stats.overflow("bfloat16") == overflow_bf16 / n and overflow_bf16 >= (3 if tails else 0)
+    assert stats.flush("bfloat16") == flush_bf16 / n and flush_bf16 >= (2 if tails else 0)
+
+
+def test_magnitude_keys_bins():
+    x = torch.tensor([0.0, -0.0, 2.0 ** -149, 1.0, -1.0, 1.5, FP16_OVERFLOW / 2 ** 15, float("nan"), -float("inf")])
+    e1 = 127  # the binade of 1.0
+    assert magnitude_keys(x).tolist() == [0, 0, 1, 2 * e1, 2 * e1, 2 * e1 + 1, 2 * e1 + 2, 510, 510]
+    assert magnitude_keys(x).dtype == torch.int32 and x[3].item() == 1.0  # the input is left as it was
 
 
 def test_stats_refuse_a_scale_they_did_not_count():
-    stats = Stats(1, 0, 0, 1.0, [0] * len(EDGES))
-    with pytest.raises(ValueError, match=r"scale=3: expected a power of two from 2\*\*-24 to 2\*\*16"):
-        stats.overflow("float16", 3)
-    assert ("float16", "overflow", 16) in EDGE_INDEX
+    stats = Stats(1, 0, 1.0, [0] * 511)
+    for scale in (3, 2.0 ** 17, 0.0, -1.0):
+        with pytest.raises(ValueError, match=r"scale=.*: expected a power of two from 2\*\*-24 to 2\*\*16"):
+            stats.overflow("float16", scale)
+    with pytest.raises(ValueError, match="1 for bfloat16"):
+        stats.flush("bfloat16", 2.0)
+    assert stats.overflow("float16", 2.0 ** 16) == 0.0
 
 
 class Mixed(nn.Module):
