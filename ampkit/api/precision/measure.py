@@ -46,16 +46,32 @@ def _bits(value: float) -> int:
     return torch.tensor(value, dtype=torch.float32).view(torch.int32).item()
 
 
-def magnitude_keys(x: torch.Tensor) -> torch.Tensor:
+def magnitude_keys(x: torch.Tensor, scratch: Optional["Scratch"] = None) -> torch.Tensor:
     """Each element's magnitude as a bin (int32, 0 to 510), two per float32 binade ``E``: bin
     ``2E+1`` holds the magnitudes above ``2**(E-127)`` and below the binade's ``FP16_OVERFLOW``
     edge (the one with ``FP16_OVERFLOW``'s mantissa), bin ``2E+2`` those from that edge up to
     ``2**(E-126)`` inclusive; bin 0 is zero. A non-finite element counts as the largest float32
-    (bin 510)."""
-    bits = x.reshape(-1).view(torch.int32).bitwise_and(0x7FFFFFFF).clamp_(max=_FINITE_MAX_BITS)
-    past_edge = torch.add(bits, (1 << _MANTISSA) - _FP16_OVERFLOW_MANTISSA).bitwise_right_shift_(_MANTISSA)
+    (bin 510). The result lives in ``scratch`` when one is given (valid until its next use)."""
+    flat = x.reshape(-1).view(torch.int32)
+    bits, past_edge = scratch.take(flat) if scratch is not None else (torch.empty_like(flat), torch.empty_like(flat))
+    torch.bitwise_and(flat, 0x7FFFFFFF, out=bits).clamp_(max=_FINITE_MAX_BITS)
+    torch.add(bits, (1 << _MANTISSA) - _FP16_OVERFLOW_MANTISSA, out=past_edge).bitwise_right_shift_(_MANTISSA)
     past_power = bits.add_((1 << _MANTISSA) - 1).bitwise_right_shift_(_MANTISSA)  # E + (mantissa > 0)
     return past_edge.add_(past_power)
+
+
+class Scratch:
+    """Two int32 buffers reused by every :func:`magnitude_keys` call on one device, so counting
+    allocates (and page-faults) nothing per tensor."""
+
+    def __init__(self):
+        self.buffers: Dict[torch.device, torch.Tensor] = {}
+
+    def take(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        n, buf = like.numel(), self.buffers.get(like.device)
+        if buf is None or buf.shape[1] < n:
+            buf = self.buffers[like.device] = torch.empty(2, n, dtype=torch.int32, device=like.device)
+        return buf[0, :n], buf[1, :n]
 
 
 def _fp16_overflow_key(scale_exp: int) -> int:
@@ -125,10 +141,10 @@ class _Acc:
         self.counts: Optional[torch.Tensor] = None  # numel, nonfinite, bf16 overflow, bf16 flush
         self.amax: Optional[torch.Tensor] = None
 
-    def add(self, t: torch.Tensor) -> torch.Tensor:
+    def add(self, t: torch.Tensor, scratch: Optional[Scratch] = None) -> torch.Tensor:
         """Count ``t``; returns its number of non-finite elements (a device integer)."""
         x = t.detach().float()
-        hist = torch.bincount(magnitude_keys(x), minlength=_BINS)
+        hist = torch.bincount(magnitude_keys(x, scratch), minlength=_BINS)
         amax, nonfinite, over, flush = self._tails(x, hist)
         counts = torch.stack([torch.tensor(x.numel(), device=x.device), nonfinite, over, flush])
         self.hist = hist if self.hist is None else self.hist + hist
@@ -297,6 +313,7 @@ class Recorder:
         self.produced: Dict[str, torch.Tensor] = {}
         self.fp8 = {n: _Fp8Acc() for n in fp8_names}
         self.fp8_on = True  # the emulated fp8 figures come from the first step only
+        self.scratch = Scratch()
         self.lost: Dict[str, torch.Tensor] = {}  # parameter -> [moved, lost bf16, lost fp16]
 
     def attach(self) -> List[Any]:
@@ -305,7 +322,7 @@ class Recorder:
     def _forward_hook(self, name: str) -> Callable:
         def hook(module, args, output):
             outs = list(_tensors(output))
-            bad = [self.acts[name].add(t) for t in outs]
+            bad = [self.acts[name].add(t, self.scratch) for t in outs]
             for t in outs:
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(name))
@@ -317,7 +334,7 @@ class Recorder:
 
     def _grad_hook(self, name: str) -> Callable:
         def hook(grad):
-            self.out_grads[name].add(grad)
+            self.out_grads[name].add(grad, self.scratch)
             if self.fp8_on and name in self.fp8:
                 self.fp8[name].grad(grad.detach().float())
         return hook
@@ -334,7 +351,7 @@ class Recorder:
         for name, p in self.model.named_parameters():
             if p.grad is not None:
                 g = p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-                bad.append(self.grads[name].add(g))
+                bad.append(self.grads[name].add(g, self.scratch))
         return not bool(torch.stack(bad).any()) if bad else True
 
     def record_updates(self, before: Dict[str, torch.Tensor]) -> None:
