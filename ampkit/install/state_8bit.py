@@ -55,29 +55,70 @@ def held(opt_state, params) -> List[Held]:
     return out
 
 
-def widen_into(entries: List[Held], slots: List[torch.Tensor]) -> None:
-    """Put each entry back under its key as float32, written into its slot (for the step)."""
+def widen(entries: List[Held]) -> None:
+    """Put each entry back under its key as float32 (for the step): one dequantize per device
+    and code, into one buffer laid out as :func:`_layout` says."""
     with torch.no_grad():
-        for (st, k, codes, scales), slot in zip(entries, slots):
-            _widen(k, codes, scales, slot)
-            st[k] = slot
-            del st[k + CODES], st[k + SCALES]
+        for group in _groups(entries, lambda e: e[2]).values():
+            codes, scales = [e[2] for e in group], [e[3] for e in group]
+            q, segments = _layout(codes, codes[0].dtype)
+            torch._foreach_copy_(segments, codes)
+            out = dequantize(q, torch.cat(scales), torch.empty(q.numel(), device=q.device), BLOCK)
+            if q.dtype == torch.uint8:
+                out.square_()
+            for (st, k, _, _), slot in zip(group, _segments(out, codes)):
+                st[k] = slot
+                del st[k + CODES], st[k + SCALES]
 
 
 def pack(states, generator: Callable[[torch.device], torch.Generator], reuse: Dict[tuple, tuple]) -> None:
     """Store every packable entry of ``states`` (``[(state, param)]``) as codes and scales,
-    rounded with ``generator(device)``; into the codes and scales ``reuse[(id(state), key)]``
-    where the entry had some."""
+    rounded with ``generator(device)``, one quantize per device and code; into the codes and
+    scales ``reuse[(id(state), key)]`` where the entry had some."""
+    entries = [(st, k, v) for st, p in states for k, v in st.items() if packable(k, v, p)]
     with torch.no_grad():
-        for st, p in states:
-            for k, v in [(k, v) for k, v in st.items() if packable(k, v, p)]:
-                codes, scales = reuse.get((id(st), k)) or _empty(k, v)
-                x = v.detach().float().reshape(-1)
-                if k in SQRT_KEYS:
-                    x = x.sqrt()
-                quantize_(codes.view(-1), scales, x, generator(v.device), BLOCK)
+        for group in _groups(entries, lambda e: e[2], lambda e: code_dtype(e[1])).values():
+            values = [v.detach() for _, _, v in group]
+            code = code_dtype(group[0][1])
+            x, segments = _layout(values, torch.float32, fill=0.0)  # zeros: no block's scale changes
+            torch._foreach_copy_(segments, values)
+            if code == torch.uint8:
+                x.sqrt_()
+            q = torch.empty(x.numel(), dtype=code, device=x.device)
+            scales = torch.empty(x.numel() // BLOCK, device=x.device)
+            quantize_(q, scales, x, generator(x.device), BLOCK)
+            made = [reuse.get((id(st), k)) or _empty(k, v) for st, k, v in group]
+            torch._foreach_copy_([c for c, _ in made], _segments(q, values))
+            torch._foreach_copy_([s for _, s in made], list(scales.split([s.numel() for _, s in made])))
+            for (st, k, _), (c, s) in zip(group, made):
                 del st[k]
-                st[k + CODES], st[k + SCALES] = codes, scales
+                st[k + CODES], st[k + SCALES] = c, s
+
+
+def _groups(entries, tensor_of, code_of=None) -> dict:
+    """``entries`` by (device, code dtype), in order."""
+    out = {}
+    for e in entries:
+        t = tensor_of(e)
+        out.setdefault((t.device, code_of(e) if code_of else t.dtype), []).append(e)
+    return out
+
+
+def _layout(tensors, dtype, fill=None):
+    """One flat buffer holding ``tensors`` back to back, each from a block boundary (the
+    blocks stay per tensor), and each tensor's segment in it (in its shape)."""
+    total = sum(num_blocks(t.numel(), BLOCK) for t in tensors) * BLOCK
+    device = tensors[0].device
+    flat = torch.empty(total, dtype=dtype, device=device) if fill is None else torch.full((total,), fill, dtype=dtype, device=device)
+    return flat, _segments(flat, tensors)
+
+
+def _segments(flat, tensors) -> List[torch.Tensor]:
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += num_blocks(t.numel(), BLOCK) * BLOCK
+    return out
 
 
 def widened_state_dict(optimizer, state_dict: dict) -> dict:

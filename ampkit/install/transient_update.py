@@ -109,18 +109,17 @@ class TransientUpdate:
                   if _elementwise(k, v, p) and v.dtype != torch.float32]
         packed = state_8bit.held(opt.state, half) if self.state_dtype == STATE_8BIT else []
         srcs = half + [grads[p] for p in half] + [v for _, _, v in stored]
-        shapes = srcs + [codes for _, _, codes, _ in packed]
         wide = []
         if srcs:
-            wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in shapes), dtype=torch.float32, device=srcs[0].device), shapes)
+            wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
             with torch.no_grad():
-                torch._foreach_copy_(wide[:len(srcs)], srcs)
-        state_8bit.widen_into(packed, wide[len(srcs):])
+                torch._foreach_copy_(wide, srcs)
+        state_8bit.widen(packed)
         copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
         rems = None if self.model_states is None else self._remainders(half)
         if rems is not None:  # the exact fp32 masters, not the widened bf16 weights
             combine(half, rems, copies)
-        for (st, k, _), w in zip(stored, wide[2 * len(half):len(srcs)]):
+        for (st, k, _), w in zip(stored, wide[2 * len(half):]):
             st[k] = w
         copy_of = dict(zip(half, zip(copies, grad_copies)))
         try:

@@ -204,14 +204,18 @@ def test_overflow_skip_leaves_codes_scales_weights_and_generators_untouched():
 
 
 def test_chunked_step_equals_one_chunk(monkeypatch):
-    """Rounded to nearest, the weights draw nothing and each state tensor draws its codes in
-    parameter order, chunked or not: the same weights and the same stored state."""
+    """Rounded to nearest the weights draw nothing, and SGD's one state (int8) draws its codes
+    in parameter order, from block-aligned offsets, chunked or not (the CPU generator's stream
+    runs on across calls): the same weights and the same stored state."""
     data = batches(3)
-    model, opt = build(bn=True, update_rounding="nearest")
+    model, opt = build(opt_name="sgd", bn=True, update_rounding="nearest")
     train(model, opt, data)
     monkeypatch.setattr(transient_update, "CHUNK_ELEMENTS", 300)
-    small, small_opt = build(bn=True, update_rounding="nearest")
+    small, small_opt = build(opt_name="sgd", bn=True, update_rounding="nearest")
+    inner, calls = small_opt._ampkit._step.step, []
+    small_opt._ampkit._step.step = lambda: calls.append(1) or inner()
     train(small, small_opt, data)
+    assert len(calls) == 3 * 3  # per step: [fc1.weight 512, the BatchNorm], [fc1.bias 64], [fc2.weight 256, fc2.bias 4]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), small.parameters()))
     mine, theirs = raw_state(opt), raw_state(small_opt)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
