@@ -7,13 +7,16 @@ a float32 power of two per block of :data:`BLOCK` flat elements (``core/blockqua
 Signed state (``exp_avg``, ``momentum_buffer``, any key not listed) is int8 linear; the
 non-negative keys of :data:`SQRT_KEYS` (second moments) are uint8 e4m4 codes of their square
 root, squared again when widened. Codes are rounded stochastically with the run's rounding
-generator of their device, so the draws checkpoint with it.
+generator of their device, so the draws checkpoint with it. A step widens and packs each
+device's entries of one code in one call, their tensors laid out back to back from block
+boundaries: the blocks, and so the scales, stay per tensor whatever the chunking.
 
 A consumer of ``optimizer.state`` finds no ``exp_avg`` between steps (a KeyError, not int8
 bytes read as numbers); ``optimizer.state_dict()`` holds every such entry widened back to
 float32 under its own key, the format of O7 and plain torch, so a checkpoint loads anywhere.
-Loading quantizes again without random draws that matter: a widened value is on the grid
-and comes back exactly (for second moments whenever the square root is above 2**-63).
+Loading quantizes again with a scratch generator, not the run's: a widened value is on the
+grid and comes back exactly, whatever the draws (second moments whenever their square root
+lies between 2**-63 and 2**64, where squaring it is exact).
 """
 from typing import Callable, Dict, List, Tuple
 
@@ -49,9 +52,9 @@ def held(opt_state, params) -> List[Held]:
     """The packed entries of ``params``' states, in state order."""
     out = []
     for p in params:
-        st = opt_state.get(p)
-        for k in [] if st is None else [k[:-len(CODES)] for k in st if isinstance(k, str) and k.endswith(CODES)]:
-            out.append((st, k, st[k + CODES], st[k + SCALES]))
+        st = opt_state.get(p, {})
+        keys = [c[:-len(CODES)] for c in st if isinstance(c, str) and c.endswith(CODES)]
+        out += [(st, k, st[k + CODES], st[k + SCALES]) for k in keys]
     return out
 
 

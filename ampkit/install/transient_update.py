@@ -11,7 +11,7 @@ copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMEN
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
 (those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
 same way; with ``"8bit"`` (O8) they are stored as 8-bit codes with per-block scales
-(``state_8bit.py``), dequantized into the chunk's buffer for the step. Float32 parameters
+(``state_8bit.py``), widened to float32 for the chunk's step. Float32 parameters
 (BatchNorm kept fp32) are stepped as they are.
 
 The optimizer must update each parameter from its own gradient and state (every
