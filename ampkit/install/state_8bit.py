@@ -117,11 +117,8 @@ def _layout(tensors, dtype, fill=None):
 
 
 def _segments(flat, tensors) -> List[torch.Tensor]:
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat[at:at + t.numel()].view(t.shape))
-        at += num_blocks(t.numel(), BLOCK) * BLOCK
-    return out
+    sizes = [n for t in tensors for n in (t.numel(), -t.numel() % BLOCK)]  # each tensor, then its padding
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes)[::2], tensors)]
 
 
 def widened_state_dict(optimizer, state_dict: dict) -> dict:
