@@ -5,7 +5,6 @@ Checked: training with each kind of torch optimizer against O7, the stored layou
 rounding of the stored state, skipped steps, chunking, and bit-exact resume.
 """
 import copy
-import math
 
 import pytest
 import torch
@@ -127,6 +126,13 @@ def _dot_model(n):
     return Dot()
 
 
+def train_on(model, opt, x):
+    opt.zero_grad()
+    with ampkit.scale_loss(model(x), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
 def _neighbours(x: torch.Tensor, scales: torch.Tensor, code: torch.dtype):
     """The codes' values just below and above ``|x|`` (flat float64), from the block scales."""
     s = scales.double().repeat_interleave(256)[:x.numel()]
@@ -145,7 +151,7 @@ def _neighbours(x: torch.Tensor, scales: torch.Tensor, code: torch.dtype):
     ("adagrad", "sum", lambda c: c.abs()),  # its sum is the squared gradient, stored as its root: uint8
 ])
 def test_stored_state_is_unbiased(opt_name, key, value):
-    """One step, K rounding seeds: the stored (dequantized) state averages to its float32
+    """One step under each of 1000 rounding seeds: the stored (dequantized) state averages to its float32
     value within 5 sigma, element by element, and is always one of its two neighbours."""
     n, trials = 600, 1000
     g = torch.Generator().manual_seed(3)
@@ -174,13 +180,6 @@ def test_stored_state_is_unbiased(opt_name, key, value):
     assert ((stored.mean(0) - x).abs() <= 5 * sigma + 1e-300).all()
     assert ((p > 0.05) & (p < 0.95)).sum() > n // 4  # most elements do round: the test has teeth
     assert torch.equal(stored[:, 300], torch.full((trials,), 1.0, dtype=torch.float64))
-
-
-def train_on(model, opt, x):
-    opt.zero_grad()
-    with ampkit.scale_loss(model(x), opt) as scaled:
-        scaled.backward()
-    opt.step()
 
 
 def test_overflow_skip_leaves_codes_scales_weights_and_generators_untouched():
