@@ -285,3 +285,25 @@ def test_fsdp_is_refused_before_anything_changes():
         assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
     finally:
         dist.destroy_process_group()
+
+
+def test_loading_fp32_state_quantizes_it_without_the_runs_generators():
+    """O7's float32 state loads into O8: stored in 8 bits, each value within one code of its
+    own, and the run's rounding generators do not move (so a resume does not depend on
+    whether the optimizer or the amp state is loaded first)."""
+    o7, o7_opt = build("O7")
+    train(o7, o7_opt, batches(3))
+    sd = copy.deepcopy(o7_opt.state_dict())
+    model, opt = build()
+    train(model, opt, batches(1))  # the run's generator has drawn
+    rng = opt._ampkit.run.rounding.state_dict()["generators"]["cpu"]
+    opt.load_state_dict(sd)
+    assert torch.equal(rng, opt._ampkit.run.rounding.state_dict()["generators"]["cpu"])
+    loaded = opt.state_dict()["state"]
+    for i, p in enumerate(model.parameters()):
+        assert set(opt.state[p]) == {"step"} | {k + sfx for k in ("exp_avg", "exp_avg_sq") for sfx in (state_8bit.CODES, state_8bit.SCALES)}
+        scales = opt.state[p]["exp_avg" + state_8bit.SCALES].repeat_interleave(256)[:p.numel()].view(p.shape)
+        assert ((loaded[i]["exp_avg"] - sd["state"][i]["exp_avg"]).abs() <= scales).all()
+        root, ref = loaded[i]["exp_avg_sq"].sqrt(), sd["state"][i]["exp_avg_sq"].sqrt()
+        assert ((root - ref).abs() <= ref / 16 + 2.0 ** -18 * opt.state[p]["exp_avg_sq" + state_8bit.SCALES].max()).all()
+    train(model, opt, batches(2))  # and it trains on
