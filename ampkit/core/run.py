@@ -1,7 +1,7 @@
 """The run object: what one ``initialize`` call set up, reached from its models and optimizers.
 
 A :class:`Run` holds the resolved properties, one loss scaler per loss, the stochastic
-rounding generators (O7) and the logging settings. Its state (``state_dict``) is Apex's
+rounding generators (O7, O8) and the logging settings. Its state (``state_dict``) is Apex's
 ``amp.state_dict()`` plus, at O7, the rounding generators.
 """
 import logging
@@ -27,7 +27,7 @@ class Run:
         self.scalers: List[LossScaler] = list(scalers)
         self.verbosity = verbosity
         self.device_type = device_type
-        self.rounding = rounding  # at update_rounding="stochastic"
+        self.rounding = rounding  # at update_rounding="stochastic", and with 8-bit optimizer state
         self.optimizer_names = tuple(optimizer_names)
         self.trains = bool(optimizer_names)
         self.floor_warned = set()  # loss ids whose min_loss_scale warning was logged
