@@ -146,7 +146,7 @@ def test_an_iterator_is_advanced_by_two_batches_only():
     ({"batches": 5}, TypeError, r"precision_report\(batches=...\): expected an iterable of batches, got int"),
     ({"batches": []}, ValueError, r"precision_report\(batches=...\): expected at least one batch"),
     ({"levels": "O2"}, ValueError, r"precision_report\(levels='O2'\): expected None .* from 'O0', 'O1', .*'O7'"),
-    ({"levels": ["O2", "O8"]}, ValueError, r"precision_report\(levels=\['O2', 'O8'\]\)"),
+    ({"levels": ["O2", "O9"]}, ValueError, r"precision_report\(levels=\['O2', 'O9'\]\)"),
     ({"levels": []}, ValueError, r"precision_report\(levels=\[\]\)"),
     ({"optimizer": "adam"}, TypeError, r"precision_report\(optimizer=...\): expected a torch.optim.Optimizer or None, got str"),
     ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)}, ValueError, r"holds 2 parameter\(s\) that are not the model's"),
