@@ -3,7 +3,8 @@
 One launch trains every level, injects an inf on one rank, tries the wrong orders and writes
 DCP checkpoints; a second launch (new processes) resumes them. The single-process reference
 is the same level without FSDP on the concatenated batch (plain BatchNorm there,
-SyncBatchNorm in the sharded model).
+SyncBatchNorm in the sharded model). The masterless transient updates (O7, remainder masters)
+have a launch and a resume of their own.
 """
 import tempfile
 
