@@ -1,4 +1,4 @@
-"""ampkit: Apex-style mixed-precision training (opt levels O0-O7) on modern PyTorch.
+"""ampkit: Apex-style mixed-precision training (opt levels O0-O8) on modern PyTorch.
 
 Names are imported on first use, so ``ampkit --version`` and ``ampkit --help`` start
 without importing torch.

@@ -41,7 +41,7 @@ def _device(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ampkit", description="Apex-style mixed precision (O0-O7) on modern PyTorch.")
+    p = argparse.ArgumentParser(prog="ampkit", description="Apex-style mixed precision (O0-O8) on modern PyTorch.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the built-in models at every opt level and print one table")

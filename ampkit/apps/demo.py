@@ -346,7 +346,7 @@ def describe(caps) -> List[str]:
         lines.append("  Half precision is emulated on this CPU: here it only saves memory, and half levels are "
                      "expected to run slower than O0 (the tiny demo runs are dominated by fixed costs).")
     elif caps.device == "cpu" and not caps.native_fp16:
-        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5/O7) is the fast path.")
+        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5/O7/O8) is the fast path.")
     return lines
 
 

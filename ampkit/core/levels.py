@@ -15,6 +15,7 @@ from . import text_table
 HALF_DTYPE = "half_dtype"  # table marker: "cast the model to the level's half dtype"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 REMAINDER = "remainder"  # master_weights: the fp32 master as bf16 weight + int16 remainder (core/remainder.py)
+STATE_8BIT = "8bit"  # optimizer_state_dtype: 8-bit codes with per-block scales (install/state_8bit.py)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FLT_TINY, FLT_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 FLOAT32_RANGE = f"that float32 holds as a normal number ({FLT_TINY:.4g} to {FLT_MAX:.4g})"
@@ -38,7 +39,8 @@ class Properties:
             ``"nearest"``: half weights without masters, each update computed in fp32 and
             rounded back that way (O7).
         optimizer_state_dtype: dtype the optimizer's elementwise state is kept in between
-            steps at ``update_rounding`` levels; ``None`` keeps the optimizer's own.
+            steps at ``update_rounding`` levels; ``None`` keeps the optimizer's own; ``"8bit"``:
+            8-bit codes with a float32 scale per block of 256, rounded stochastically (O8).
         fp8: ``True`` (fp8 matmuls, emulated where the device has none), ``"emulate"``, or
             ``False``: torchao ``Float8Linear`` in eligible Linear layers (O6).
     """
@@ -52,7 +54,7 @@ class Properties:
     half_dtype: Optional[torch.dtype]
     low_precision_layernorm: bool = False
     update_rounding: Optional[str] = None
-    optimizer_state_dtype: Optional[torch.dtype] = None
+    optimizer_state_dtype: Union[None, torch.dtype, str] = None
     fp8: Union[bool, str] = False
 
     def rows(self) -> List[Tuple[str, Any]]:
@@ -72,6 +74,8 @@ OPT_LEVELS: Dict[str, Properties] = {
     "O5": _level("O5", HALF_DTYPE, False, True, True, 1.0, torch.bfloat16),
     "O6": dataclasses.replace(_level("O6", HALF_DTYPE, False, True, True, 1.0, torch.bfloat16), fp8=True),
     "O7": dataclasses.replace(_level("O7", HALF_DTYPE, False, True, False, 1.0, torch.bfloat16), update_rounding="stochastic"),
+    "O8": dataclasses.replace(_level("O8", HALF_DTYPE, False, True, False, 1.0, torch.bfloat16), update_rounding="stochastic",
+                              optimizer_state_dtype=STATE_8BIT),
 }
 
 BRIEF = {
@@ -83,6 +87,7 @@ BRIEF = {
     "O5": "BF16 model with FP32 batchnorm and FP32 master weights, no loss scaling.",
     "O6": "O5 plus FP8 matmuls (torchao Float8Linear) in eligible Linear layers; needs ampkit[fp8].",
     "O7": "BF16 model without master weights: each update computed in FP32, stochastically rounded back.",
+    "O8": "O7 plus 8-bit optimizer state (per-block scales, stochastically rounded), widened to FP32 for each step.",
 }
 
 OVERRIDES = tuple(f.name for f in dataclasses.fields(Properties) if f.name != "opt_level")
@@ -202,9 +207,10 @@ def _update_rounding(value):
 
 
 def _optimizer_state_dtype(value):
-    if isinstance(value, torch.dtype) and value in STATE_DTYPES:
+    if (isinstance(value, torch.dtype) and value in STATE_DTYPES) or (isinstance(value, str) and value == STATE_8BIT):
         return value
-    raise TypeError(f"initialize(optimizer_state_dtype={value!r}): expected {_dtype_name(STATE_DTYPES)} or None.")
+    raise TypeError(f"initialize(optimizer_state_dtype={value!r}): expected {_dtype_name(STATE_DTYPES)}, "
+                    f"{STATE_8BIT!r} (8-bit codes with per-block scales, O8) or None.")
 
 
 def _fp8(value):
@@ -307,6 +313,14 @@ def _resolve_update(level: str, final: Properties, applied: dict) -> Tuple[Prope
                 f"weights, but the model is cast to {cast}; pass half_dtype=torch.bfloat16, or "
                 f"update_rounding='nearest'."
             )
+    if final.optimizer_state_dtype == STATE_8BIT and final.update_rounding is None:
+        raise ValueError(
+            f"initialize(optimizer_state_dtype={STATE_8BIT!r}): 8-bit optimizer state needs the transient fp32 "
+            f"update (update_rounding on a half model without master weights: O7, O8), but at {level} with these "
+            f"options update_rounding is None (cast_model_type={cast}, master_weights={final.master_weights!r}). "
+            f"Use opt_level='O8' (or 'O7' with optimizer_state_dtype='8bit') without master_weights=True or "
+            f"update_rounding=False, or here {_dtype_name(STATE_DTYPES)} or None."
+        )
     if final.optimizer_state_dtype is not None and final.update_rounding is None and final.master_weights != REMAINDER:
         notes.append(
             f"optimizer_state_dtype={final.optimizer_state_dtype} has no effect at {level}: it sets how "

@@ -48,8 +48,8 @@ OPTIONS: Tuple[Option, ...] = (
            "\"reshard_after_forward\": ...}``.", annotation=Optional[dict]),
     Option("update_rounding", None, "``\"stochastic\"`` or ``\"nearest\"``: half weights without masters take "
            "an fp32 update computed per step and rounded back (O7: stochastic).", level=True),
-    Option("optimizer_state_dtype", None, "``torch.bfloat16`` keeps the optimizer state in bf16 (with "
-           "``update_rounding``).", level=True),
+    Option("optimizer_state_dtype", None, "``torch.bfloat16`` keeps the optimizer state in bf16, ``\"8bit\"`` in "
+           "8-bit codes with per-block scales (O8) (with ``update_rounding``).", level=True),
     Option("fp8", None, "``True`` (or ``\"emulate\"``) converts eligible ``nn.Linear`` layers to torchao's "
            "Float8Linear (O6; needs ``pip install 'ampkit[fp8]'``).", level=True),
     Option("fp8_exclude", None, "module names, or a callable ``(name, module) -> bool``, kept out of fp8."),

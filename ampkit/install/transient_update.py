@@ -10,7 +10,9 @@ copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMEN
 (a larger single tensor is its own chunk), and nothing fp32 persists but the optimizer
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
 (those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
-same way. Float32 parameters (BatchNorm kept fp32) are stepped as they are.
+same way; with ``"8bit"`` (O8) they are stored as 8-bit codes with per-block scales
+(``state_8bit.py``), widened to float32 for the chunk's step. Float32 parameters
+(BatchNorm kept fp32) are stepped as they are.
 
 The optimizer must update each parameter from its own gradient and state (every
 ``torch.optim`` optimizer but LBFGS does): it is called once per chunk, seeing only that
@@ -25,9 +27,10 @@ from typing import Callable, List, Optional
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from ..core.levels import HALF_DTYPES
+from ..core.levels import HALF_DTYPES, STATE_8BIT
 from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
+from . import state_8bit
 from .shards import like, local, shard_of
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
@@ -105,12 +108,14 @@ class TransientUpdate:
         half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
         stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
                   if _elementwise(k, v, p) and v.dtype != torch.float32]
+        packed = state_8bit.held(opt.state, half) if self.state_dtype == STATE_8BIT else []
         srcs = [local(t) for t in half + [grads[p] for p in half] + [v for _, _, v in stored]]  # FSDP2: shards
         wide = []
         if srcs:
             wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
             with torch.no_grad():
                 torch._foreach_copy_(wide, srcs)
+        state_8bit.widen(packed)
         weights, copies, grad_copies = srcs[:len(half)], wide[:len(half)], wide[len(half):2 * len(half)]
         rems = None if self.model_states is None else self._remainders(half)
         if rems is not None:  # the exact fp32 masters, not the widened bf16 weights
@@ -135,8 +140,8 @@ class TransientUpdate:
                     split_(weights, rems, copies)
                 else:
                     self.round_into(weights, copies)
-                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], self.round_into,
-                             {(id(st), k): v for st, k, v in stored})
+                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], False,
+                             {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed})
             return result
         finally:
             for group, i, p, f in swapped:
@@ -158,11 +163,15 @@ class TransientUpdate:
             out.append(r)
         return out
 
-    def _narrow(self, states, round_into, stored=None) -> None:
-        """Elementwise float32 state to ``state_dtype`` (when that is a half dtype), into the
-        half tensors it was widened from where there are some."""
+    def _narrow(self, states, exact: bool, stored=None) -> None:
+        """Elementwise float32 state to ``state_dtype`` (a half dtype, or 8 bits), into the
+        tensors it was widened from where there are some; rounded with the run's generators,
+        or, when ``exact`` (loaded state, on the grid already), without drawing from them."""
         if self.state_dtype is None or self.state_dtype == torch.float32:
             return
+        if self.state_dtype == STATE_8BIT:
+            return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {})
+        round_into = _copy_into if exact else self.round_into
         found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != self.state_dtype]
         if not found:
             return
@@ -194,7 +203,7 @@ class TransientUpdate:
                 state = opt.state.pop(stand_in, None)
                 if state is not None:
                     opt.state[p] = state
-            self._narrow([(opt.state[p], p) for p in real.values() if p in opt.state], _copy_into)  # exact, no draws
+            self._narrow([(opt.state[p], p) for p in real.values() if p in opt.state], True)
 
 
 def _group_settings(opt) -> dict:
@@ -235,6 +244,11 @@ def _copy_into(dsts, srcs) -> None:
     torch._foreach_copy_(dsts, srcs)
 
 
+def _scratch_generator(device) -> torch.Generator:
+    """A generator no run owns: codes of values already on the grid do not depend on its draws."""
+    return torch.Generator(device=device).manual_seed(0)
+
+
 def _elementwise(key, value, p: torch.Tensor) -> bool:
     return key != "step" and torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape
 
@@ -249,7 +263,9 @@ def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state
     update.load = opt.load_state_dict
     opt.load_state_dict = types.MethodType(_load_state_dict, opt)
     held = [p for g in opt.param_groups for p in g["params"] if p in opt.state]
-    update._narrow([(opt.state[p], p) for p in held], _copy_into)  # state it already had, as state_dtype
+    update._narrow([(opt.state[p], p) for p in held if p.dtype in HALF_DTYPES], True)  # state it already had
+    if state_dtype == STATE_8BIT:
+        opt.register_state_dict_post_hook(state_8bit.widened_state_dict)
 
 
 def attach_remainders(opt_state, originals: dict, state_dtype: Optional[torch.dtype]) -> None:

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..core.casting import cast_module_
-from ..core.levels import HALF_DTYPES, REMAINDER
+from ..core.levels import HALF_DTYPES, REMAINDER, STATE_8BIT
 from ..core.rounding import StochasticRounder
 from ..core.run import Run
 from ..core.scaler import LossScaler
@@ -21,7 +21,7 @@ def apply(plan: Plan) -> Run:
     """Cast and hook the models, shard them (FSDP2), attach masters and the step protocol."""
     opts, props = plan.request.options, plan.props
     run = Run(True, props, verbosity=opts["verbosity"], device_type=plan.device_type,
-              rounding=StochasticRounder() if props.update_rounding == "stochastic" else None,
+              rounding=StochasticRounder() if _rounds_stochastically(props) else None,
               optimizer_names=[type(o).__name__ for o in plan.request.optimizers])
     # Masters start from the fp32 values, not from the rounded half copies: keep the
     # pre-cast tensors (no copy; the cast rebinds .data).
@@ -44,6 +44,11 @@ def apply(plan: Plan) -> Run:
             transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
     originals.clear()
     return run
+
+
+def _rounds_stochastically(props) -> bool:
+    """Whether the run needs rounding generators: stochastic updates (O7), or 8-bit state (O8)."""
+    return props.update_rounding == "stochastic" or props.optimizer_state_dtype == STATE_8BIT
 
 
 def _prepare(model: nn.Module, plan: Plan, run: Run, originals: dict) -> None:

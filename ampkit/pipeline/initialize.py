@@ -52,9 +52,10 @@ initialize.__doc__ = f"""Prepare models and optimizers for mixed precision at ``
             of ``models``; ``None`` for inference-only models.
         enabled: ``False`` turns ampkit off: models and optimizers are returned unchanged and
             ``scale_loss`` yields the loss as it is.
-        opt_level: ``"O0"``..``"O7"``: fp32; autocast fp16 (O1); fp16 model + fp32 masters
+        opt_level: ``"O0"``..``"O8"``: fp32; autocast fp16 (O1); fp16 model + fp32 masters
             (O2); pure fp16 (O3); autocast bf16 (O4); bf16 model + fp32 masters (O5); O5 with
-            fp8 linear layers (O6); pure bf16 with stochastically rounded updates (O7); or
+            fp8 linear layers (O6); pure bf16 with stochastically rounded updates (O7); O7 with
+            8-bit optimizer state (O8); or
             ``"auto"``: the fastest safe level for the model's device (see ``ampkit.capabilities``).
 {args_doc()}
     """

@@ -30,3 +30,24 @@ def test_adamw_bytes_per_parameter(level, overrides, weights, masters, state):
     assert got["optimizer_state"] == state * n + 4 * tensors  # exp_avg and exp_avg_sq, and a float32 step per tensor
     assert got["optimizer_scalars"] == 4 * tensors
     assert bytes_per_param([model], [opt]) == pytest.approx(weights + masters + state, abs=0.05)
+
+
+def test_o8_adamw_stays_under_4_1_bytes_per_parameter():
+    """bf16 weights, and AdamW's two moments as one byte per element plus a float32 scale per
+    block of 256: 2 + 2 * (1 + 4/256) = 4.03 bytes, and the step counters."""
+    from ampkit.core.blockquant import num_blocks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    model, opt = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O8", verbosity=0)
+    loss = F.mse_loss(model(torch.randn(8, 64)), torch.randn(8, 64))
+    with ampkit.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+    params = list(model.parameters())
+    n, blocks = sum(p.numel() for p in params), sum(num_blocks(p.numel()) for p in params)
+    got = persistent_bytes([model], [opt])
+    assert (got["params"], got["weights"], got["masters"], got["grad_buffers"]) == (n, 2 * n, 0, 0)
+    assert got["optimizer_state"] == 2 * n + 2 * 4 * blocks + 4 * len(params)  # codes, scales, steps
+    assert bytes_per_param([model], [opt]) <= 4.1

@@ -40,7 +40,7 @@ def test_plan_on_a_hopeless_machine_runs_a_few_steps_at_the_smallest_batch():
 
 def test_each_level_is_probed_by_its_compute_dtype():
     assert {lvl: demo._probe_level(lvl) for lvl in demo.LEVELS} == {
-        "O0": "O0", "O1": "O2", "O2": "O2", "O3": "O2", "O4": "O5", "O5": "O5", "O6": "O6", "O7": "O5"}
+        "O0": "O0", "O1": "O2", "O2": "O2", "O3": "O2", "O4": "O5", "O5": "O5", "O6": "O6", "O7": "O5", "O8": "O5"}
 
 
 def test_a_slow_fp8_probe_gives_fewer_steps():
@@ -71,9 +71,9 @@ def test_describe_says_plainly_when_half_only_saves_memory(monkeypatch):
     text = "\n".join(demo.describe(_caps(monkeypatch, {"avx2"})))
     assert "Test CPU" in text and "only saves memory" in text and "slower than O0" in text
     text = "\n".join(demo.describe(_caps(monkeypatch, {"avx512_bf16"})))
-    assert "O4/O5/O7: speed and memory" in text and "O1/O2/O3 only save memory" in text
+    assert "O4/O5/O7/O8: speed and memory" in text and "O1/O2/O3 only save memory" in text
     text = "\n".join(demo.describe(_caps(monkeypatch, {"amx_bf16", "amx_fp16"})))
-    assert "only save" not in text and "O1/O2/O3/O4/O5/O7: speed and memory" in text
+    assert "only save" not in text and "O1/O2/O3/O4/O5/O7/O8: speed and memory" in text
 
 
 def test_default_demo_probes_then_runs(tmp_path, capsys):

@@ -160,3 +160,34 @@ def test_readme_table_matches_opt_levels():
         for name in head[1:]:
             want = "—" if name == "half_dtype" and p.half_dtype is None else show(getattr(p, name))
             assert rows[level][name] == want, (level, name)
+
+
+def test_o8_is_o7_with_8bit_state():
+    o7, o8 = OPT_LEVELS["O7"], OPT_LEVELS["O8"]
+    assert o8.rows()[1:] == [(k, "8bit" if k == "optimizer_state_dtype" else v) for k, v in o7.rows()[1:]]
+    _, final, applied, notes = resolve("O8")
+    assert (final.cast_model_type, final.update_rounding, final.optimizer_state_dtype) == (torch.bfloat16, "stochastic", "8bit")
+    assert applied == {} and notes == []
+    _, spelled, applied, _ = resolve("O7", optimizer_state_dtype="8bit")
+    assert spelled.rows()[1:] == final.rows()[1:] and applied == {"optimizer_state_dtype": "8bit"}
+    assert resolve("O7", optimizer_state_dtype="8bit", update_rounding="nearest")[1].update_rounding == "nearest"
+    assert resolve("O8", optimizer_state_dtype=torch.bfloat16)[1].optimizer_state_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("level,overrides,why", [
+    ("O5", dict(optimizer_state_dtype="8bit"), "master_weights=True"),
+    ("O2", dict(optimizer_state_dtype="8bit"), "master_weights=True"),
+    ("O0", dict(optimizer_state_dtype="8bit"), "cast_model_type=torch.float32"),
+    ("O8", dict(master_weights=True), "master_weights=True"),
+    ("O8", dict(update_rounding=False), "master_weights=False"),
+    ("O5", dict(optimizer_state_dtype="8bit", master_weights="remainder"), "master_weights='remainder'"),
+])
+def test_8bit_state_without_the_transient_update_is_an_error(level, overrides, why):
+    with pytest.raises(ValueError, match=r"initialize\(optimizer_state_dtype='8bit'\): .* at %s .*%s" % (level, why)):
+        resolve(level, **overrides)
+
+
+@pytest.mark.parametrize("value", ["8-bit", "int8", 8, torch.int8])
+def test_bad_state_dtype_lists_8bit(value):
+    with pytest.raises(TypeError, match=r"initialize\(optimizer_state_dtype=.*expected torch.float32, torch.bfloat16, '8bit'"):
+        resolve("O7", optimizer_state_dtype=value)

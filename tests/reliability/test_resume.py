@@ -122,7 +122,7 @@ def _resume_and_compare(level, ckpt, ref_losses, ref_at, ref_final, why):
     return c
 
 
-@pytest.mark.parametrize("level", ["O0", "O2", "O5"])
+@pytest.mark.parametrize("level", ["O0", "O2", "O5", "O8"])
 def test_sigkill_at_a_random_step_then_resume_is_bit_exact(level, tmp_path):
     seed = random.SystemRandom().randrange(2**32)
     stop_at = random.Random(seed).randint(EVERY + 1, TOTAL - 1)
