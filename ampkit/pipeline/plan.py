@@ -52,11 +52,6 @@ def make_plan(request: Request) -> Plan:
                          opts["cast_model_outputs"])
     exclude = _fp8_exclude(models, props, opts["fp8_exclude"])
     use_masters = props.master_weights is True and props.cast_model_type in levels.HALF_DTYPES and sharding is None
-    if sharding is not None and props.optimizer_state_dtype == levels.STATE_8BIT:
-        raise ValueError(
-            f"initialize(fsdp=True): optimizer_state_dtype='8bit' ({props.opt_level}) is not available with FSDP2: "
-            f"its codes and block scales are laid out per whole tensor, not per shard. Use opt_level='O5' with fsdp=True."
-        )
     if sharding is not None:
         infos += sharding.notes
     return Plan(request, defaults, props, applied, tuple(notes), tuple(infos), sharding, exclude, use_masters,

@@ -35,7 +35,7 @@ ACCUMULATE_CLIP = [("O0", "accumulate"), ("O2", "accumulate"), ("O0", "delay_uns
 HOW = {"accumulate": {"micro": 2}, "delay_unscale": {"micro": 2, "delay": True}, "clip": {"clip": 0.5}}
 # The masterless transient updates: bf16 shards, each step computed in fp32 on the local shards.
 TRANSIENT = {"O7": {"opt_level": "O7"}, "remainder": {"opt_level": "O5", "master_weights": "remainder"},
-             "O7/bf16_state": {"opt_level": "O7", "optimizer_state_dtype": torch.bfloat16}}
+             "O7/bf16_state": {"opt_level": "O7", "optimizer_state_dtype": torch.bfloat16}, "O8": {"opt_level": "O8"}}
 FIT_STEPS = 6
 
 
@@ -428,7 +428,7 @@ def _transient_worker(rank, world_size, checkpoint_dir):
         out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
         opt.zero_grad()
         out[f"{level}/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])
-        out[f"{level}/bf16_elements"] = sum(_local(p).numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+        out[f"{level}/bf16_numels"] = [_local(p).numel() for p in model.parameters() if p.dtype == torch.bfloat16]
         model, opt = _build(level, seed=rank, distributed=True)
         out[f"{level}/inf"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=POISON_STEP))
         model, opt = _build(level, seed=rank, distributed=True, adam=True)
@@ -527,14 +527,15 @@ def test_transient_update_keeps_no_fp32_master_shards(transient_ranks, level):
     int16 remainders); weights plus masters take no more than O5's fp32 shards (equal on rank 0,
     whose shards have no padding)."""
     for rank, got in enumerate(transient_ranks):
-        fp, o5 = got[f"{level}/footprint"], got["O5/footprint"]
-        masters = 2 * got[f"{level}/bf16_elements"] if level == "remainder" else 0
+        fp, o5, numels = got[f"{level}/footprint"], got["O5/footprint"], got[f"{level}/bf16_numels"]
+        masters = 2 * sum(numels) if level == "remainder" else 0
         assert fp["masters"] == masters and o5["masters"] == 0
         assert fp["weights"] + fp["masters"] <= o5["weights"]
         if rank == 0:
-            assert fp["weights"] + 2 * got[f"{level}/bf16_elements"] == o5["weights"]
-        # fp32 state as O5's; bf16 state: 2 bytes less per bf16 element (the momentum of SGD)
-        less = 2 * got[f"{level}/bf16_elements"] if level == "O7/bf16_state" else 0
+            assert fp["weights"] + 2 * sum(numels) == o5["weights"]
+        # SGD's momentum of each bf16 shard: fp32 as O5's; bf16: 2 bytes less per element;
+        # O8: 1-byte codes and a float32 scale per block of 256 of the shard
+        less = {"O7/bf16_state": 2 * sum(numels), "O8": sum(3 * n - 4 * -(-n // 256) for n in numels)}.get(level, 0)
         assert fp["optimizer_state"] == o5["optimizer_state"] - less
 
 
@@ -566,11 +567,11 @@ def test_transient_update_dcp_checkpoint_resumes_bit_exactly_in_new_processes(tr
             assert torch.equal(x, y), f"rank {rank}"
         # weights, remainders, this rank's rounding generators and optimizer state
         assert _same(got["local"], want["local"]), f"rank {rank}"
-    if level.startswith("O7"):  # the ranks round shards of different sizes: their generators differ
+    if level == "remainder":
+        assert all(r[f"{level}/uninterrupted"]["local"][0][-1].dtype == torch.int16 for r in transient_ranks)
+    else:  # the ranks round shards of different sizes: their generators differ
         a, b = (r[f"{level}/uninterrupted"]["amp"]["stochastic_rounding"]["generators"]["cpu"] for r in transient_ranks)
         assert not torch.equal(a, b)
-    else:
-        assert all(r[f"{level}/uninterrupted"]["local"][0][-1].dtype == torch.int16 for r in transient_ranks)
 
 
 def test_load_sharded_refuses_metadata_that_dcp_did_not_write(tmp_path):
