@@ -426,6 +426,8 @@ def _transient_worker(rank, world_size, checkpoint_dir):
         model, opt = _build(level, seed=rank, distributed=True)
         out[f"{level}/export"] = {k: v.clone() for k, v in full_state_dict(model).items()}  # the masters before training
         out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+        rounding = opt._ampkit.run.rounding
+        out[f"{level}/seed"] = None if rounding is None else rounding.generator(torch.device("cpu")).initial_seed()
         opt.zero_grad()
         out[f"{level}/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])
         out[f"{level}/bf16_elements"] = sum(_local(p).numel() for p in model.parameters() if p.dtype == torch.bfloat16)
@@ -536,6 +538,14 @@ def test_transient_update_keeps_no_fp32_master_shards(transient_ranks, level):
         # fp32 state as O5's; bf16 state: 2 bytes less per bf16 element (the momentum of SGD)
         less = 2 * got[f"{level}/bf16_elements"] if level == "O7/bf16_state" else 0
         assert fp["optimizer_state"] == o5["optimizer_state"] - less
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_each_shard_rounds_with_bits_of_its_own(transient_ranks, level):
+    """The generators start from the seed (0) plus the rank's shard index: shards of equal size
+    would otherwise draw the same bits for the same offsets."""
+    seeds = [rank[f"{level}/seed"] for rank in transient_ranks]
+    assert seeds == ([None, None] if level == "remainder" else [0, 1])
 
 
 @pytest.mark.parametrize("level", TRANSIENT)
