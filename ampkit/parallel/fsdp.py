@@ -14,7 +14,8 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
   the weights, all-gathers move bf16 and gradients are summed in float32 (FSDP2 stores the
   reduced gradient in the parameter's dtype, bf16). ``TransientUpdate`` steps each rank's
   local shards (``install/shards.py``); remainders are local int16 shards; each rank's
-  rounding generators are saved as one row of a DTensor (:func:`save_sharded`).
+  rounding generators start from the seed plus its shard index and are saved as its row of
+  a DTensor (:func:`save_sharded`).
 * O1 / O4: fp32 sharded parameters, ``torch.autocast`` inside the model's forward.
 * O0: plain FSDP2.
 
@@ -125,6 +126,12 @@ class Plan:
             state.sharded = True
             state._param_ids = {id(p) for p in model.parameters()}
         return {before[i]: m._parameters[n] for i, (m, n) in where.items()}
+
+
+    def shard_index(self) -> int:
+        """This rank's shard: its index along the mesh's sharding (last) dimension."""
+        mesh = self.shard_kwargs.get("mesh")
+        return dist.get_rank() if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
 
 
 def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:

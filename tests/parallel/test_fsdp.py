@@ -426,6 +426,8 @@ def _transient_worker(rank, world_size, checkpoint_dir):
         model, opt = _build(level, seed=rank, distributed=True)
         out[f"{level}/export"] = {k: v.clone() for k, v in full_state_dict(model).items()}  # the masters before training
         out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+        rounding = opt._ampkit.run.rounding
+        out[f"{level}/seed"] = None if rounding is None else rounding.generator(torch.device("cpu")).initial_seed()
         opt.zero_grad()
         out[f"{level}/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])
         out[f"{level}/bf16_numels"] = [_local(p).numel() for p in model.parameters() if p.dtype == torch.bfloat16]
@@ -537,6 +539,14 @@ def test_transient_update_keeps_no_fp32_master_shards(transient_ranks, level):
         # O8: 1-byte codes and a float32 scale per block of 256 of the shard
         less = {"O7/bf16_state": 2 * sum(numels), "O8": sum(3 * n - 4 * -(-n // 256) for n in numels)}.get(level, 0)
         assert fp["optimizer_state"] == o5["optimizer_state"] - less
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_each_shard_rounds_with_bits_of_its_own(transient_ranks, level):
+    """The generators start from the seed (0) plus the rank's shard index: shards of equal size
+    would otherwise draw the same bits for the same offsets."""
+    seeds = [rank[f"{level}/seed"] for rank in transient_ranks]
+    assert seeds == ([None, None] if level == "remainder" else [0, 1])
 
 
 @pytest.mark.parametrize("level", TRANSIENT)
