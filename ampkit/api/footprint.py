@@ -5,19 +5,21 @@ parameters and buffers, the tensors the optimizers step on (fp32 master weights,
 16-bit remainders of ``master_weights="remainder"``), every
 tensor in the optimizers' state, and the fp32 gradient buffers ampkit keeps across steps
 for large master sets. Not counted: gradients (call after ``zero_grad()``, which frees
-them) and activations, which are per-step.
+them) and activations, which are per-step. Of a model sharded with FSDP2: this rank's shards.
 """
 from typing import Dict, Iterable, List
 
 import torch
 from torch import nn
 
+from ..install.shards import local
+
 
 def _storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
     out = {}
     for t in tensors:
         if torch.is_tensor(t) and t.device.type != "meta":
-            s = t.untyped_storage()
+            s = local(t).untyped_storage()  # of a DTensor (FSDP2): this rank's shard
             out[s.data_ptr()] = max(out.get(s.data_ptr(), 0), s.nbytes())
     return out
 
@@ -41,7 +43,7 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
     kinds["optimizer_state"] = new(v for o in optimizers for st in o.state.values() for v in st.values())
     kinds["grad_buffers"] = new(b for o in optimizers for b in getattr(getattr(o, "_ampkit", None), "_grad_buffers", {}).values())
     kinds["total"] = sum(kinds.values())
-    kinds["params"] = sum(p.numel() for p in {id(p): p for p in weights}.values())
+    kinds["params"] = sum(local(p).numel() for p in {id(p): p for p in weights}.values())
     kinds["optimizer_scalars"] = sum(  # part of optimizer_state: one-element entries (Adam's step)
         v.untyped_storage().nbytes() for o in optimizers for st in o.state.values() for v in st.values()
         if torch.is_tensor(v) and v.numel() == 1)

@@ -74,19 +74,21 @@ def _flat(srcs: List[torch.Tensor]) -> torch.Tensor:
 class StochasticRounder:
     """One seeded generator per device; ``state_dict`` captures them all for bit-exact resume.
 
-    Every generator starts from ``seed`` (the same on every rank, so data-parallel replicas
-    that apply the same update round it the same way).
+    Every generator starts from ``seed + stream``. ``stream`` is 0 but on FSDP2, where it is
+    the rank's index among the shards: data-parallel replicas that apply the same update
+    round it the same way, and different shards draw different bits.
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, stream: int = 0):
         self.seed = _check_seed(seed)
+        self.stream = stream
         self.generators: Dict[str, torch.Generator] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
         gen = self.generators.get(key)
         if gen is None:
-            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed + self.stream)
         return gen
 
     def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from .apex_lists import in_apex_fp32_region
 from ..core.casting import cast_tree
 from ..core.remainder import master as combined_master, split_
 from .copies import make_standalone, sync, sync_one
+from .shards import like, local
 from ..core.levels import HALF_DTYPES
 
 
@@ -39,7 +40,8 @@ class ModelState:
         self.autocast_device = autocast_device
         self.autocast_dtype = autocast_dtype
         self.masters: Dict[torch.Tensor, torch.Tensor] = {}
-        self.remainders: Dict[torch.Tensor, torch.Tensor] = {}  # master_weights="remainder": bf16 param -> int16
+        # master_weights="remainder": bf16 param -> int16 remainder (of a sharded parameter: its local shard's)
+        self.remainders: Dict[torch.Tensor, torch.Tensor] = {}
         self._param_ids = {id(p) for p in model.parameters()}
         self.synced = None  # on copies only: see copies.py
         # FSDP2 already manages it (the user's fully_shard before initialize), or
@@ -108,7 +110,7 @@ class _Float32StateDict:
                             sync_one(self.state, t, master)
                         state_dict[key] = master.detach()
                     elif t in remainders:
-                        state_dict[key] = combined_master(t.detach(), remainders[t])
+                        state_dict[key] = like(combined_master(local(t.detach()), remainders[t]), t)
                     elif state_dict[key].dtype in HALF_DTYPES:
                         state_dict[key] = state_dict[key].float()
 
@@ -147,7 +149,7 @@ class _MasterLoadSync:
         with torch.no_grad():
             for target, value in incoming:
                 if target in remainders:  # the loaded value is the fp32 master: weight and remainder
-                    split_([target], [remainders[target]], [value.detach().float()])
+                    split_([local(target)], [remainders[target]], [local(value.detach().float())])
                 else:
                     target.copy_(value)
 

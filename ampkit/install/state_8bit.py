@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from ..core.blockquant import dequantize, num_blocks, quantize_
+from .shards import like, local
 
 BLOCK = 256
 CODES, SCALES = ".codes", ".scales"
@@ -63,14 +64,14 @@ def widen(entries: List[Held]) -> None:
     and code, into one buffer laid out as :func:`_layout` says."""
     with torch.no_grad():
         for group in _groups(entries, lambda e: e[2]).values():
-            codes, scales = [e[2] for e in group], [e[3] for e in group]
+            codes, scales = [local(e[2]) for e in group], [e[3] for e in group]  # FSDP2: the shards
             q, segments = _layout(codes, codes[0].dtype)
             torch._foreach_copy_(segments, codes)
             out = dequantize(q, torch.cat(scales), torch.empty(q.numel(), device=q.device), BLOCK)
             if q.dtype == torch.uint8:
                 out.square_()
-            for (st, k, _, _), slot in zip(group, _segments(out, codes)):
-                st[k] = slot
+            for (st, k, c, _), slot in zip(group, _segments(out, codes)):
+                st[k] = like(slot, c)
                 del st[k + CODES], st[k + SCALES]
 
 
@@ -81,7 +82,7 @@ def pack(states, generator: Callable[[torch.device], torch.Generator], reuse: Di
     entries = [(st, k, v) for st, p in states for k, v in st.items() if packable(k, v, p)]
     with torch.no_grad():
         for group in _groups(entries, lambda e: e[2], lambda e: code_dtype(e[1])).values():
-            values = [v.detach() for _, _, v in group]
+            values = [local(v.detach()) for _, _, v in group]
             code = code_dtype(group[0][1])
             x, segments = _layout(values, torch.float32, fill=0.0)  # zeros: no block's scale changes
             torch._foreach_copy_(segments, values)
@@ -90,12 +91,12 @@ def pack(states, generator: Callable[[torch.device], torch.Generator], reuse: Di
             q = torch.empty(x.numel(), dtype=code, device=x.device)
             scales = torch.empty(x.numel() // BLOCK, device=x.device)
             quantize_(q, scales, x, generator(x.device), BLOCK)
-            made = [reuse.get((id(st), k)) or _empty(k, v) for st, k, v in group]
+            made = [(local(c), s) for c, s in (reuse.get((id(st), k)) or _empty(k, x) for (st, k, _), x in zip(group, values))]
             torch._foreach_copy_([c for c, _ in made], _segments(q, values))
             torch._foreach_copy_([s for _, s in made], list(scales.split([s.numel() for _, s in made])))
-            for (st, k, _), (c, s) in zip(group, made):
+            for (st, k, v), (c, s) in zip(group, made):
                 del st[k]
-                st[k + CODES], st[k + SCALES] = c, s
+                st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales the shard's
 
 
 def _groups(entries, tensor_of, code_of=None) -> dict:
@@ -133,7 +134,8 @@ def widened_state_dict(optimizer, state_dict: dict) -> dict:
         wide = {k: v for k, v in st.items() if not (isinstance(k, str) and k.endswith((CODES, SCALES)))}
         for c in codes:
             k = c[:-len(CODES)]
-            wide[k] = _widen(k, st[c], st[k + SCALES], torch.empty(st[c].shape, dtype=torch.float32, device=st[c].device))
+            codes = local(st[c])
+            wide[k] = like(_widen(k, codes, st[k + SCALES], torch.empty(codes.shape, dtype=torch.float32, device=codes.device)), st[c])
         state[i] = wide
     return {**state_dict, "state": state}
 

@@ -31,6 +31,7 @@ from ..core.levels import HALF_DTYPES, STATE_8BIT
 from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
 from . import state_8bit
+from .shards import like, local, shard_of
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
 
@@ -108,20 +109,20 @@ class TransientUpdate:
         stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
                   if _elementwise(k, v, p) and v.dtype != torch.float32]
         packed = state_8bit.held(opt.state, half) if self.state_dtype == STATE_8BIT else []
-        srcs = half + [grads[p] for p in half] + [v for _, _, v in stored]
+        srcs = [local(t) for t in half + [grads[p] for p in half] + [v for _, _, v in stored]]  # FSDP2: shards
         wide = []
         if srcs:
             wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
             with torch.no_grad():
                 torch._foreach_copy_(wide, srcs)
         state_8bit.widen(packed)
-        copies, grad_copies = wide[:len(half)], wide[len(half):2 * len(half)]
+        weights, copies, grad_copies = srcs[:len(half)], wide[:len(half)], wide[len(half):2 * len(half)]
         rems = None if self.model_states is None else self._remainders(half)
         if rems is not None:  # the exact fp32 masters, not the widened bf16 weights
-            combine(half, rems, copies)
-        for (st, k, _), w in zip(stored, wide[2 * len(half):]):
-            st[k] = w
-        copy_of = dict(zip(half, zip(copies, grad_copies)))
+            combine(weights, rems, copies)
+        for (st, k, v), w in zip(stored, wide[2 * len(half):]):
+            st[k] = like(w, v)
+        copy_of = {p: (like(c, p), like(g, p)) for p, c, g in zip(half, copies, grad_copies)}
         try:
             for group, i, p in chunk:
                 if p not in copy_of:
@@ -136,9 +137,9 @@ class TransientUpdate:
             result = self.step()
             with torch.no_grad():
                 if rems is not None:
-                    split_(half, rems, copies)
+                    split_(weights, rems, copies)
                 else:
-                    self.round_into(half, copies)
+                    self.round_into(weights, copies)
                 self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], False,
                              {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed})
             return result
@@ -158,7 +159,7 @@ class TransientUpdate:
             owner = next((ms for ms in self.model_states if ms.owns(p)), self.model_states[0])
             r = owner.remainders.get(p)
             if r is None:
-                r = owner.remainders[p] = torch.zeros_like(p, dtype=torch.int16)
+                r = owner.remainders[p] = torch.zeros_like(local(p), dtype=torch.int16)
             out.append(r)
         return out
 
@@ -178,7 +179,7 @@ class TransientUpdate:
         dsts = [stored.get((id(st), k)) for st, k, _ in found]
         dsts = [torch.empty_like(v, dtype=self.state_dtype) if d is None else d for d, (_, _, v) in zip(dsts, found)]
         with torch.no_grad():
-            round_into(dsts, [v.float() for _, _, v in found])
+            round_into([local(d) for d in dsts], [local(v).float() for _, _, v in found])
         for (st, k, _), d in zip(found, dsts):
             st[k] = d
 
@@ -269,8 +270,9 @@ def attach(opt_state, rounding: str, rounder: Optional[StochasticRounder], state
 
 def attach_remainders(opt_state, originals: dict, state_dtype: Optional[torch.dtype]) -> None:
     """``master_weights="remainder"``: each bf16 parameter's fp32 master held as the weight plus
-    an int16 remainder (``core/remainder.py``), starting from its fp32 value before the cast;
-    the optimizer steps on the exact masters through a :class:`TransientUpdate`."""
+    an int16 remainder (``core/remainder.py``), starting from its fp32 value before the cast
+    (of a sharded parameter: its local shard's, cut from the first rank's value); the
+    optimizer steps on the exact masters through a :class:`TransientUpdate`."""
     for group in opt_state.optimizer.param_groups:
         for p in group["params"]:
             owner = next((ms for ms in opt_state.model_states if ms.owns(p)), None)
@@ -278,5 +280,5 @@ def attach_remainders(opt_state, originals: dict, state_dtype: Optional[torch.dt
                 continue
             original = originals.get(p)
             exact = original is not None and original.dtype == torch.float32 and original.shape == p.shape
-            owner.remainders[p] = remainder(original if exact else p.detach().float())
+            owner.remainders[p] = remainder(shard_of(original, p) if exact else local(p).detach().float())
     attach(opt_state, "nearest", None, state_dtype, opt_state.model_states)

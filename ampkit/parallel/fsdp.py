@@ -9,6 +9,13 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
   norms get a ``fully_shard`` group of their own that stays float32 and takes half input.
 * O3 (half model, no masters): the model is cast to half and its half parameters are
   sharded; gradients are reduce-scattered in float32 (as ``ddp=True`` all-reduces in fp32).
+* O7 and ``master_weights="remainder"`` (bf16 model, masterless transient update): as O3,
+  ``MixedPrecisionPolicy(reduce_dtype=float32)`` on bf16 shards, so there is no fp32 copy of
+  the weights, all-gathers move bf16 and gradients are summed in float32 (FSDP2 stores the
+  reduced gradient in the parameter's dtype, bf16). ``TransientUpdate`` steps each rank's
+  local shards (``install/shards.py``); remainders are local int16 shards; each rank's
+  rounding generators start from the seed plus its shard index and are saved as its row of
+  a DTensor (:func:`save_sharded`).
 * O1 / O4: fp32 sharded parameters, ``torch.autocast`` inside the model's forward.
 * O0: plain FSDP2.
 
@@ -29,7 +36,9 @@ from torch import nn
 from ..core import registry
 from ..core.casting import is_batchnorm
 from ..core.errors import NoEffectWarning
-from ..core.levels import HALF_DTYPES
+from ..core.levels import HALF_DTYPES, REMAINDER
+from ..core.run import ROUNDING_KEY
+from ..install.shards import is_dtensor, local
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
 
@@ -55,7 +64,7 @@ class Plan:
 
         half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
         self.half_model = half is not None
-        self.masters = half is not None and bool(props.master_weights)
+        self.masters = half is not None and props.master_weights is True
         self.keep_bn = half is not None and bool(props.keep_batchnorm_fp32)
         self.blocks = tuple(kwargs.get("blocks", ()))
         self.shard_kwargs = {k: v for k, v in kwargs.items() if k != "blocks"}
@@ -78,6 +87,11 @@ class Plan:
         elif self.masters:
             self.notes = [f"fsdp=True: MixedPrecisionPolicy(param_dtype={half}, reduce_dtype=torch.float32); the sharded "
                           f"fp32 parameters are the master weights."]
+        elif props.update_rounding or props.master_weights == REMAINDER:
+            how = ("masters held as bf16 shards plus int16 remainder shards" if props.master_weights == REMAINDER
+                   else f"rounded back {props.update_rounding}")
+            self.notes = [f"fsdp=True: {half} parameters sharded (no fp32 master shards), gradients reduced in "
+                          f"float32; each step computed in fp32 on the local shards, {how}."]
         else:
             self.notes = [f"fsdp=True: {half} parameters sharded, no master weights; gradients reduced in float32."]
 
@@ -112,6 +126,12 @@ class Plan:
             state.sharded = True
             state._param_ids = {id(p) for p in model.parameters()}
         return {before[i]: m._parameters[n] for i, (m, n) in where.items()}
+
+
+    def shard_index(self) -> int:
+        """This rank's shard: its index along the mesh's sharding (last) dimension."""
+        mesh = self.shard_kwargs.get("mesh")
+        return dist.get_rank() if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
 
 
 def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:
@@ -280,7 +300,8 @@ def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     run = registry.of_optimizer("ampkit.parallel.save_sharded()", optimizer)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state, "amp": run.state_dict()}, checkpoint_id=checkpoint_id)
+    amp = _amp_state(run, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state, "amp": amp}, checkpoint_id=checkpoint_id)
 
 
 def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -290,10 +311,44 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     check_metadata(checkpoint_id)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state, "amp": run.state_dict()}
+    state = {"model": model_state, "optimizer": optim_state, "amp": _amp_state(run, optimizer)}
     dcp.load(state, checkpoint_id=checkpoint_id)
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    run.load_state_dict(state["amp"], "ampkit.parallel.load_sharded")
+    run.load_state_dict(_own_rows(state["amp"]), "ampkit.parallel.load_sharded")
+
+
+def _amp_state(run, optimizer: torch.optim.Optimizer) -> dict:
+    """``run.state_dict()`` as DCP saves it: at O7 each rank's rounding generators become its
+    row of a DTensor sharded over the parameters' mesh (the ranks round shards of different
+    sizes, so their generators differ); made for every parameter device first, so that the
+    keys saved and the keys a fresh process loads agree."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ref = next((p for p in params if is_dtensor(p)), None)
+    if run.rounding is None or ref is None:
+        return run.state_dict()
+    for p in params:
+        run.rounding.generator(p.device)
+    out = run.state_dict()
+    generators = out[ROUNDING_KEY]["generators"]
+    for key, value in generators.items():
+        generators[key] = _row(value, ref)
+    return out
+
+
+def _row(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``value`` as this rank's row of a DTensor laid over ``ref``'s mesh as ``ref`` is sharded."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = [Shard(0) if pl.is_shard() else Replicate() for pl in ref.placements]
+    return DTensor.from_local(value.unsqueeze(0), ref.device_mesh, placements, run_check=False)
+
+
+def _own_rows(amp: dict) -> dict:
+    """:func:`_amp_state` output back as ``run.state_dict()`` is: each rank's own generator states."""
+    rounding = amp.get(ROUNDING_KEY)
+    if rounding is not None:
+        rounding["generators"] = {k: local(v)[0] if is_dtensor(v) else v for k, v in rounding["generators"].items()}
+    return amp
 
 
 def full_state_dict(model: nn.Module) -> dict:

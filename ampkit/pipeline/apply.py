@@ -29,7 +29,9 @@ def apply(plan: Plan) -> Run:
     keep = plan.use_masters or remainder
     originals = {p: p.data for m in plan.request.models for p in m.parameters()} if keep else {}
     for m in plan.request.models:
-        _prepare(m, plan, run)
+        _prepare(m, plan, run, originals)
+    if plan.sharding is not None and run.rounding is not None:
+        run.rounding.stream = plan.sharding.shard_index()  # each shard rounds with bits of its own
     model_states = [m._ampkit for m in plan.request.models]
     run.scalers = [
         LossScaler(props.loss_scale, min_loss_scale=plan.min_scale, max_loss_scale=plan.max_scale,
@@ -51,7 +53,7 @@ def _rounds_stochastically(props) -> bool:
     return props.update_rounding == "stochastic" or props.optimizer_state_dtype == STATE_8BIT
 
 
-def _prepare(model: nn.Module, plan: Plan, run: Run) -> None:
+def _prepare(model: nn.Module, plan: Plan, run: Run, originals: dict) -> None:
     if plan.props.fp8:
         float8.convert_(model, plan.props.fp8, plan.fp8_exclude, run.log)
     sharding = plan.sharding
@@ -60,6 +62,8 @@ def _prepare(model: nn.Module, plan: Plan, run: Run) -> None:
         sharded = sharding.shard(model)
         for opt in plan.request.optimizers:
             fsdp.adopt_sharded(opt, sharded)
+        for old in [p for p in sharded if p in originals]:  # remainders: cut from the first rank's fp32 values
+            originals[sharded[old]] = originals.pop(old)
 
 
 def _cast_and_hook(model: nn.Module, props, cast_model_outputs) -> None:

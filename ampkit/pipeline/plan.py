@@ -50,24 +50,8 @@ def make_plan(request: Request) -> Plan:
     min_scale, max_scale = _check_run_options(opts)
     sharding = fsdp.plan(models, request.optimizers, props, opts["fsdp"], opts["fsdp_kwargs"], opts["ddp"],
                          opts["cast_model_outputs"])
-    if sharding is not None and props.update_rounding:
-        raise ValueError(
-            f"initialize(fsdp=True): update_rounding={props.update_rounding!r} ({props.opt_level}) is not available "
-            f"with FSDP2: its transient fp32 update would mix FSDP2's sharded DTensor parameters with plain tensors. "
-            f"Use opt_level='O5' with fsdp=True (the sharded fp32 parameters are the masters), or O7 without fsdp."
-        )
     exclude = _fp8_exclude(models, props, opts["fp8_exclude"])
-    if sharding is not None and props.master_weights == levels.REMAINDER:
-        raise ValueError(
-            "initialize(fsdp=True): master_weights='remainder' is not available with FSDP2 yet; with fsdp=True the "
-            "sharded fp32 parameters are the masters already (O5)."
-        )
     use_masters = props.master_weights is True and props.cast_model_type in levels.HALF_DTYPES and sharding is None
-    if sharding is not None and props.optimizer_state_dtype == levels.STATE_8BIT:
-        raise ValueError(
-            f"initialize(fsdp=True): optimizer_state_dtype='8bit' ({props.opt_level}) is not available with FSDP2: "
-            f"its codes and block scales are laid out per whole tensor, not per shard. Use opt_level='O5' with fsdp=True."
-        )
     if sharding is not None:
         infos += sharding.notes
     return Plan(request, defaults, props, applied, tuple(notes), tuple(infos), sharding, exclude, use_masters,

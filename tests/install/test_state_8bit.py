@@ -271,22 +271,6 @@ def test_8bit_without_the_transient_update_is_refused_before_anything_changes(le
     assert getattr(opt, "_ampkit", None) is None and getattr(model, "_ampkit", None) is None
 
 
-def test_fsdp_is_refused_before_anything_changes():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = make_model()
-        opt = torch.optim.AdamW(model.parameters())
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        with pytest.raises(ValueError, match=r"initialize\(fsdp=True\): .*\(O8\) is not available with FSDP2"):
-            ampkit.initialize(model, opt, opt_level="O8", fsdp=True, verbosity=0)
-        assert not hasattr(model, "_ampkit") and not hasattr(opt, "_ampkit")
-        assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
-    finally:
-        dist.destroy_process_group()
-
-
 def test_loading_fp32_state_quantizes_it_without_the_runs_generators():
     """O7's float32 state loads into O8: stored in 8 bits, each value within one code of its
     own, and the run's rounding generators do not move (so a resume does not depend on

@@ -3,7 +3,8 @@
 One launch trains every level, injects an inf on one rank, tries the wrong orders and writes
 DCP checkpoints; a second launch (new processes) resumes them. The single-process reference
 is the same level without FSDP on the concatenated batch (plain BatchNorm there,
-SyncBatchNorm in the sharded model).
+SyncBatchNorm in the sharded model). The masterless transient updates (O7, remainder masters)
+have a launch and a resume of their own.
 """
 import tempfile
 
@@ -32,6 +33,10 @@ CHECKPOINT_LEVELS = ["O0", "O2", "O3", "O5"]
 ACCUMULATE_CLIP = [("O0", "accumulate"), ("O2", "accumulate"), ("O0", "delay_unscale"), ("O2", "delay_unscale"),
                    ("O2", "clip"), ("O5", "clip")]
 HOW = {"accumulate": {"micro": 2}, "delay_unscale": {"micro": 2, "delay": True}, "clip": {"clip": 0.5}}
+# The masterless transient updates: bf16 shards, each step computed in fp32 on the local shards.
+TRANSIENT = {"O7": {"opt_level": "O7"}, "remainder": {"opt_level": "O5", "master_weights": "remainder"},
+             "O7/bf16_state": {"opt_level": "O7", "optimizer_state_dtype": torch.bfloat16}, "O8": {"opt_level": "O8"}}
+FIT_STEPS = 6
 
 
 class Block(nn.Module):
@@ -61,7 +66,7 @@ def _build(level, seed, distributed, adam=False, fsdp_kwargs=None):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-3) if adam else torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     # Half-batch losses give each rank twice the single process's per-sample gradient in
     # float16 backward: a scale of 2**16 would overflow there first; cap it.
-    return ampkit.initialize(net, opt, opt_level=level, verbosity=0, max_loss_scale=2.0**10,
+    return ampkit.initialize(net, opt, **TRANSIENT.get(level, {"opt_level": level}), verbosity=0, max_loss_scale=2.0**10,
                              fsdp=distributed, fsdp_kwargs=(fsdp_kwargs or {"blocks": [Block]}) if distributed else None)
 
 
@@ -114,7 +119,12 @@ def _local(t):
 
 
 def _local_state(opt):
+    """This rank's weights, remainders (master_weights="remainder"), rounding generators (O7)
+    and optimizer state."""
+    rounding = ampkit.state_dict(optimizer=opt).get("stochastic_rounding", {"generators": {}})
     params = [_local(p).detach().clone() for p in ampkit.master_params(opt)]
+    params += [r.clone() for ms in opt._ampkit.model_states for r in ms.remainders.values()]
+    params += list(rounding["generators"].values())
     state = [{k: _local(v).clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
     return params, state
 
@@ -378,21 +388,200 @@ def test_full_state_dict_exports_float32_on_rank_0_for_a_plain_model(two_ranks):
             assert torch.equal(p, m)
 
 
-def test_o7_with_fsdp_is_refused_before_anything_changes():
+@pytest.mark.parametrize("level", ["O7", "remainder"])
+def test_transient_update_with_fsdp_shards_bf16_parameters_and_says_so(level, caplog):
+    import logging
+
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        with pytest.raises(ValueError, match=r"initialize\(fsdp=True\): update_rounding='stochastic' \(O7\) is not available with FSDP2"):
-            ampkit.initialize(model, opt, opt_level="O7", fsdp=True, verbosity=0)
-        assert not hasattr(model, "_ampkit") and not hasattr(opt, "_ampkit")
-        assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+        with caplog.at_level(logging.INFO, logger="ampkit"):
+            model, opt = ampkit.initialize(model, opt, **TRANSIENT[level], fsdp=True, verbosity=1)
+        assert all(isinstance(p, DTensor) and p.dtype == torch.bfloat16 for p in model.parameters())
+        assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+        assert ampkit.footprint.persistent_bytes([model], [opt])["masters"] == (0 if level == "O7" else 2 * (64 + 8 + 16 + 2))
+        how = "rounded back stochastic" if level == "O7" else "masters held as bf16 shards plus int16 remainder shards"
+        assert any("fsdp=True: torch.bfloat16 parameters sharded (no fp32 master shards)" in r.getMessage()
+                   and how in r.getMessage() for r in caplog.records)
     finally:
         dist.destroy_process_group()
+
+
+# -- the masterless transient updates (O7, master_weights="remainder") ----------------------
+
+def _transient_worker(rank, world_size, checkpoint_dir):
+    """Each transient mode (and O5, to compare) trained, poisoned, fitted to one batch, and
+    checkpointed at SAVE_AT."""
+    out = {}
+    model, opt = _build("O5", seed=rank, distributed=True)
+    out["O5/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+    opt.zero_grad()
+    out["O5/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])
+    for level in TRANSIENT:
+        model, opt = _build(level, seed=rank, distributed=True)
+        out[f"{level}/export"] = {k: v.clone() for k, v in full_state_dict(model).items()}  # the masters before training
+        out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
+        rounding = opt._ampkit.run.rounding
+        out[f"{level}/seed"] = None if rounding is None else rounding.generator(torch.device("cpu")).initial_seed()
+        opt.zero_grad()
+        out[f"{level}/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])
+        out[f"{level}/bf16_numels"] = [_local(p).numel() for p in model.parameters() if p.dtype == torch.bfloat16]
+        model, opt = _build(level, seed=rank, distributed=True)
+        out[f"{level}/inf"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=POISON_STEP))
+        model, opt = _build(level, seed=rank, distributed=True, adam=True)
+        out[f"{level}/fit"] = _train(model, opt, [0] * FIT_STEPS, rank)[0]  # one batch, again and again
+        model, opt = _build(level, seed=rank, distributed=True, adam=True)
+        out[f"{level}/uninterrupted"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=1))
+        model, opt = _build(level, seed=rank, distributed=True, adam=True)
+        _train(model, opt, range(SAVE_AT), rank, poison_at=1)
+        save_sharded(f"{checkpoint_dir}/{level}", model, opt)
+    return out
+
+
+def _transient_resume_worker(rank, world_size, checkpoint_dir):
+    out = {}
+    for level in TRANSIENT:
+        model, opt = _build(level, seed=100 + rank, distributed=True, adam=True)
+        load_sharded(f"{checkpoint_dir}/{level}", model, opt)
+        out[level] = _outcome(model, opt, *_train(model, opt, range(SAVE_AT, STEPS), rank))
+    return out
+
+
+@pytest.fixture(scope="module")
+def transient_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dcp_transient"))
+
+
+@pytest.fixture(scope="module")
+def transient_ranks(transient_dir):
+    return run(_transient_worker, 2, transient_dir, timeout=900, pg_timeout=600)
+
+
+@pytest.fixture(scope="module")
+def transient_resumed(transient_ranks, transient_dir):
+    return run(_transient_resume_worker, 2, transient_dir, timeout=900, pg_timeout=600)
+
+
+def _scalers(amp):
+    return {k: v for k, v in amp.items() if k.startswith("loss_scaler")}
+
+
+def _assert_transient_ranks_agree(ranks, key):
+    """Losses, scalers, whole weights and buffers equal on both ranks (the rounding generators
+    are each rank's own)."""
+    a, b = ranks[0][key], ranks[1][key]
+    assert a["losses"] == b["losses"] and _scalers(a["amp"]) == _scalers(b["amp"]), key
+    for x, y in zip(a["masters"] + a["buffers"], b["masters"] + b["buffers"]):
+        assert torch.equal(x, y), key
+
+
+def _assert_close(got, want):
+    tol = TOLERANCE["bf16"]
+    assert _scalers(got["amp"]) == _scalers(want["amp"])
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **tol)
+    for x, y in zip(got["masters"], want["masters"]):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_transient_update_on_bf16_shards_matches_single_process(transient_ranks, level):
+    """Within bf16 rounding, not bit for bit: FSDP2 sums the ranks' bf16 gradients in float32
+    and stores the sum as bf16 (the parameter's dtype), where the single process computes one
+    bf16 gradient of the whole batch; at O7 each rank also draws its own rounding bits."""
+    _assert_transient_ranks_agree(transient_ranks, f"{level}/train")
+    got = transient_ranks[0][f"{level}/train"]
+    # the optimizer steps on the model's own bf16 shards (BatchNorm kept float32)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert [x.dtype for x in got["masters"]] == [bf16] * 2 + [bf16, bf16, fp32, fp32] * 2 + [bf16] * 2
+    _assert_close(got, _reference(level))
+
+
+def test_remainder_on_fsdp_follows_o5_on_fsdp(transient_ranks):
+    """The same arithmetic as O5 on FSDP2 but for the bf16 rounding of the reduced gradient
+    (O5's fp32 shards keep the float32 sum, FSDP2 stores a bf16 parameter's gradient in bf16):
+    the same first loss (the same bf16 weights), then within bf16 rounding."""
+    got, want = transient_ranks[0]["remainder/train"], transient_ranks[0]["O5/train"]
+    assert got["losses"][0] == want["losses"][0]
+    _assert_close(got, want)
+
+
+def test_remainder_masters_start_from_the_first_ranks_fp32_values(transient_ranks):
+    """Each rank's remainder shards are cut from rank 0's fp32 weights (not from the bf16 copy
+    broadcast to every rank): the exported masters are rank 0's model bit for bit."""
+    assert transient_ranks[1]["remainder/export"] == {}
+    export, plain = transient_ranks[0]["remainder/export"], make_net(0).state_dict()
+    assert list(export) == list(plain)
+    for key, value in plain.items():
+        assert export[key].dtype == value.dtype and torch.equal(export[key], value), key
+    o7 = transient_ranks[0]["O7/export"]  # O7 has no masters: its bf16 weights, widened
+    assert any(not torch.equal(o7[k], v) for k, v in plain.items())
+    assert all(torch.equal(o7[k], v.bfloat16().float()) for k, v in plain.items() if k.endswith("0.weight"))
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_transient_update_keeps_no_fp32_master_shards(transient_ranks, level):
+    """Per rank: the masters cost nothing at O7 and 2 bytes per bf16 element at remainder (its
+    int16 remainders); weights plus masters take no more than O5's fp32 shards (equal on rank 0,
+    whose shards have no padding)."""
+    for rank, got in enumerate(transient_ranks):
+        fp, o5, numels = got[f"{level}/footprint"], got["O5/footprint"], got[f"{level}/bf16_numels"]
+        masters = 2 * sum(numels) if level == "remainder" else 0
+        assert fp["masters"] == masters and o5["masters"] == 0
+        assert fp["weights"] + fp["masters"] <= o5["weights"]
+        if rank == 0:
+            assert fp["weights"] + 2 * sum(numels) == o5["weights"]
+        # SGD's momentum of each bf16 shard: fp32 as O5's; bf16: 2 bytes less per element;
+        # O8: 1-byte codes and a float32 scale per block of 256 of the shard
+        less = {"O7/bf16_state": 2 * sum(numels), "O8": sum(3 * n - 4 * -(-n // 256) for n in numels)}.get(level, 0)
+        assert fp["optimizer_state"] == o5["optimizer_state"] - less
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_each_shard_rounds_with_bits_of_its_own(transient_ranks, level):
+    """The generators start from the seed (0) plus the rank's shard index: shards of equal size
+    would otherwise draw the same bits for the same offsets."""
+    seeds = [rank[f"{level}/seed"] for rank in transient_ranks]
+    assert seeds == ([None, None] if level == "remainder" else [0, 1])
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_transient_update_fits_one_batch(transient_ranks, level):
+    for rank in transient_ranks:
+        losses = rank[f"{level}/fit"]
+        assert losses == transient_ranks[0][f"{level}/fit"]
+        assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_transient_update_inf_on_one_rank_skips_on_every_rank(transient_ranks, level):
+    _assert_transient_ranks_agree(transient_ranks, f"{level}/inf")
+    for rank in transient_ranks:
+        got = rank[f"{level}/inf"]
+        assert got["untouched"] is True  # weights, remainders, rounding generators, optimizer state
+        assert got["amp"]["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": STEPS - 1 - POISON_STEP}
+    _assert_close(transient_ranks[0][f"{level}/inf"], _reference(level, poison_at=POISON_STEP))
+
+
+@pytest.mark.parametrize("level", TRANSIENT)
+def test_transient_update_dcp_checkpoint_resumes_bit_exactly_in_new_processes(transient_ranks, transient_resumed, level):
+    for rank, (before, after) in enumerate(zip(transient_ranks, transient_resumed)):
+        want, got = before[f"{level}/uninterrupted"], after[level]
+        assert got["losses"] == want["losses"][SAVE_AT:]
+        assert _scalers(got["amp"]) == _scalers(want["amp"]) and want["amp"]["loss_scaler0"]["unskipped"] == 2
+        for x, y in zip(got["masters"] + got["buffers"], want["masters"] + want["buffers"]):
+            assert torch.equal(x, y), f"rank {rank}"
+        # weights, remainders, this rank's rounding generators and optimizer state
+        assert _same(got["local"], want["local"]), f"rank {rank}"
+    if level == "remainder":
+        assert all(r[f"{level}/uninterrupted"]["local"][0][-1].dtype == torch.int16 for r in transient_ranks)
+    else:  # the ranks round shards of different sizes: their generators differ
+        a, b = (r[f"{level}/uninterrupted"]["amp"]["stochastic_rounding"]["generators"]["cpu"] for r in transient_ranks)
+        assert not torch.equal(a, b)
 
 
 def test_load_sharded_refuses_metadata_that_dcp_did_not_write(tmp_path):
