@@ -17,9 +17,10 @@ wall time is in its table heading and the JSON (``wall_s``).
    control, torchao ``_AdamW`` and ``AdamW8bit`` with bf16 stochastic rounding, optimi ``AdamW`` with
    Kahan summation, bitsandbytes ``AdamW8bit``), each on the model cast to bf16; a peer whose library
    does not import is skipped with a note. Seeds 0..``--seeds``-1: a seed fixes the initial weights
-   (``torch.manual_seed``), the batches (``lm_batches(seed=...)``: a seeded Markov chain, ``--train-batches``
-   training batches (8) cycled and 4 held-out batches drawn after them from the same chain) and the rounding
-   (ampkit's ``stochastic_rounding.manual_seed``; torchao draws from torch's global generator).
+   (``torch.manual_seed``), the batches (``lm_batches(seed=...)``: a seeded Markov chain; a fresh batch
+   every step, or ``--train-batches N`` cycled; 4 held-out batches drawn after them from the same
+   chain) and the rounding (ampkit's ``stochastic_rounding.manual_seed``; torchao draws from torch's
+   global generator).
    Every variant's loss is computed in fp32 from the logits. Loss: mean of the last 20 steps; its gap
    to O5 is taken per seed (same weights, batches and seed) and shown as the mean and the range over
    seeds. Held-out loss: the mean over the held-out batches after the last step, its gap paired the
@@ -35,7 +36,8 @@ wall time is in its table heading and the JSON (``wall_s``).
    threads and, on a CPU, once with one thread (on a shared machine every multi-threaded kernel can
    wait for a descheduled thread, which penalises whichever variant launches more kernels).
 2. fp8: the same LM for ``--fp8-steps`` steps at O5, O6 emulated and O6 with the device's
-   ``torch._scaled_mm`` (where it has one); loss: mean of the last 10 steps; seed 0.
+   ``torch._scaled_mm`` (where it has one); loss: mean of the last 10 steps; seed 0, fresh batches
+   (or ``--train-batches N`` cycled).
 
 Each training run is a fresh process (``ampkit.apps.demo.isolated``). ``--device cuda`` runs the same
 on a GPU; a variant that fails on the device is reported as skipped with its error.
@@ -65,7 +67,7 @@ QUICK_LM = LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, bat
 # The LM where bfloat16 is emulated on this CPU (``--size auto``): there a bf16 matmul runs 3-60x slower than fp32.
 EMULATED_LM = LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4)
 LRS = (5e-4, 1e-4)
-TRAIN_BATCHES, HELD_OUT = 8, 4  # --train-batches: 8 cycled batches, as in the earlier frontier figures
+HELD_OUT = 4  # batches, drawn after the training batches from the same chain
 AMPKIT = {  # name: (level, overrides); the ampkit variants of the bf16 frontier
     "O5": ("O5", {}),
     "O5 remainder": ("O5", {"master_weights": "remainder"}),
@@ -130,7 +132,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def seeded_batches(spec, seed, device, train=TRAIN_BATCHES):
+def seeded_batches(spec, seed, device, train):
     """``train`` training batches and ``HELD_OUT`` held-out ones, from the same seeded chain."""
     batches = [(x.to(device), y.to(device)) for x, y in lm_batches(spec, train + HELD_OUT, seed)]
     return batches[:train], batches[train:]
@@ -142,7 +144,7 @@ def footprint(name, model, opt):
             "elementwise_bytes_per_param": (mem["total"] - mem["buffers"] - mem["optimizer_scalars"]) / mem["params"]}
 
 
-def train_worker(spec, name, lr, steps, threads, seed, device, train=TRAIN_BATCHES, *, report):
+def train_worker(spec, name, lr, steps, threads, seed, device, train, *, report):
     """In a fresh process: variant ``name`` from ``seed``; losses, held-out loss, step times, persistent bytes."""
     torch.set_num_threads(threads)
     device = torch.device(device)
@@ -163,7 +165,8 @@ def train_worker(spec, name, lr, steps, threads, seed, device, train=TRAIN_BATCH
         held = mean(lm_loss(model(x).float(), y).item() for x, y in held_out)
     fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
     return {"losses": losses, "heldout": held, "step_ms": 1e3 * median(times[5:] or times), "first_step_s": times[0],
-            **footprint(name, model, opt), "fp8_layers": len(fp8), "emulated": sorted({str(m.config.emulate) for m in fp8}),
+            **footprint(name, model, opt), "fp8_layers": len(fp8),
+            "emulated": sorted({str(m.config.emulate) for m in fp8}),
             "fp8_matmul_here": float8.has_fp8_matmul(device) if fp8 else None}
 
 
@@ -177,7 +180,7 @@ def timing_worker(spec, names, lr, steps, threads, device, *, report):
     (timed alone: torchao compiles there) and the median ms per step after 5 warm-up steps."""
     torch.set_num_threads(threads)
     device = torch.device(device)
-    batches, _ = seeded_batches(spec, 0, device)
+    batches, _ = seeded_batches(spec, 0, device, steps + 6)
     loops, out = {}, {}
     for name in names:
         try:
@@ -276,7 +279,7 @@ def bench_bf16(spec, names, lrs, steps, seeds, threads, device, train, log):
     return summary(done, names, lrs), cost, done
 
 
-def bench_fp8(spec, steps, threads, device, log):
+def bench_fp8(spec, steps, threads, device, train, log):
     rows = []
     try:
         ampkit.float8.require()
@@ -286,7 +289,7 @@ def bench_fp8(spec, steps, threads, device, log):
         if name == "O6 _scaled_mm" and not ampkit.float8.has_fp8_matmul(device):
             rows.append({"variant": name, "skipped": f"no torch._scaled_mm on {device}"})
             continue
-        r = isolated(train_worker, spec, name, 1e-3, steps, threads, 0, str(device), report=log)
+        r = isolated(train_worker, spec, name, 1e-3, steps, threads, 0, str(device), train, report=log)
         rows.append({"variant": name, "loss": tail(r["losses"], 10), "last_loss": r["losses"][-1],
                      "step_ms": r["step_ms"], "bytes_per_param": r["bytes_per_param"], "fp8_layers": r["fp8_layers"],
                      "emulated": ",".join(r["emulated"]) or "-"})
@@ -333,23 +336,24 @@ def gaps(key):
 
 
 def print_report(spec, steps, seeds, train, bf16, cost, fp8, goals, wall, fp8_steps, quick):
-    print(f"\n1. bf16 frontier (LM {vars(spec)}, AdamW, {steps} steps, seeds 0..{seeds - 1}; loss = mean of the last 20, "
-          f"{train} training batches cycled, held-out = {HELD_OUT} batches after the last step; gaps to O5 paired by seed; {wall['bf16']:.0f} s)")
+    data = f"{train} training batches, cycled" if train < steps else "a fresh batch every step"
+    print(f"\n1. bf16 frontier (LM {vars(spec)}, AdamW, {steps} steps, {data}, seeds 0..{seeds - 1}; loss = mean of the "
+          f"last 20; held-out = {HELD_OUT} batches after the last step; gaps to O5 paired by seed; {wall['bf16']:.0f} s)")
     print(table(bf16, [("variant", "variant", "{}"), ("lr", "lr", "{:g}"), ("loss", "loss", "{:.4f}"),
                        ("vs O5 (mean)", "loss_vs_O5", "{:+.4f}"), ("vs O5 (seeds)", gaps("loss"), "{}"),
                        ("held-out", "heldout", "{:.4f}"), ("held-out vs O5", "heldout_vs_O5", "{:+.4f}"),
                        ("held-out vs O5 (seeds)", gaps("heldout"), "{}"), ("skipped", "skipped", "{}")]))
-    print("\nCost (bytes/param measured after the last zero_grad(), seed 0: weights + masters/remainders + optimizer "
-          "state + kept grad buffers; step time with every variant alternating step by step in one process)")
+    print("\nCost (bytes/param after the last zero_grad(), seed 0: ampkit.footprint.persistent_bytes for ampkit, "
+          "peers.state_bytes for the peers; step time: every variant alternating step by step in one process)")
     print(table(cost, [("variant", "variant", "{}"), ("bytes/param", "bytes_per_param", "{:.4f}"),
                        ("w/o step counters", "elementwise_bytes_per_param", "{:.3f}"), ("ms/step", "step_ms", "{:.1f}"),
                        ("speed vs O5", "speed_vs_O5", "{:.2f}x"), ("ms/step 1 thread", "step_ms_1t", "{:.1f}"),
                        ("speed vs O5, 1 thread", "speed_vs_O5_1t", "{:.2f}x"), ("first step s", "first_step_s", "{:.2f}"),
                        ("skipped", "skipped", "{}")]))
     print(f"\n2. fp8 (same LM, AdamW lr 1e-3, {fp8_steps} steps; loss = mean of the last 10; {wall['fp8']:.0f} s)")
-    print(table(fp8, [("variant", "variant", "{}"), ("loss", "loss", "{:.4f}"), ("last", "last_loss", "{:.4f}"), ("vs O5", "vs_O5_loss", "{:+.4f}"),
-                      ("fp8 layers", "fp8_layers", "{}"), ("emulated", "emulated", "{}"), ("ms/step", "step_ms", "{:.1f}"),
-                      ("bytes/param", "bytes_per_param", "{:.2f}"), ("skipped", "skipped", "{}")]))
+    print(table(fp8, [("variant", "variant", "{}"), ("loss", "loss", "{:.4f}"), ("last", "last_loss", "{:.4f}"),
+                      ("vs O5", "vs_O5_loss", "{:+.4f}"), ("fp8 layers", "fp8_layers", "{}"), ("emulated", "emulated", "{}"),
+                      ("ms/step", "step_ms", "{:.1f}"), ("bytes/param", "bytes_per_param", "{:.2f}"), ("skipped", "skipped", "{}")]))
     print("\nTargets" + (" (--quick: not valid)" if quick else ""))
     print(table(goals, [("target", "target", "{}"), ("measured", "measured", "{}"), ("met", "met", "{}")]))
 
@@ -363,8 +367,8 @@ def parse(argv):
     p.add_argument("--lrs", default=",".join(map(str, LRS)), help="learning rates, comma-separated")
     p.add_argument("--only", help="comma-separated prefixes of the variants to run (O5 always runs), e.g. O7,torchao")
     p.add_argument("--no-peers", action="store_true", help="ampkit's variants only")
-    p.add_argument("--train-batches", type=int, default=TRAIN_BATCHES,
-                   help="training batches, cycled (the held-out batches follow them in the same chain)")
+    p.add_argument("--train-batches", type=int, help="training batches, cycled (default: one per step, none "
+                   "repeated; 8 is the earlier frontier figures' setting, in which the LM memorises them)")
     p.add_argument("--fp8-steps", type=int, default=60)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--d-model", type=int, help=f"LM width (default {LM.d_model}, the demo's; see --size)")
@@ -392,22 +396,24 @@ def main(argv=None):
         print(f"  {note}", flush=True)
     started, wall = time.perf_counter(), {}
     log = Log("bf16")
-    bf16, cost, done = bench_bf16(spec, names, lrs, steps, seeds, threads, device, args.train_batches, log)
+    train = args.train_batches or steps
+    bf16, cost, done = bench_bf16(spec, names, lrs, steps, seeds, threads, device, train, log)
     wall["bf16"] = time.perf_counter() - log.start
     log = Log("fp8")
-    fp8 = bench_fp8(spec, fp8_steps, threads, device, log)
+    fp8 = bench_fp8(spec, fp8_steps, threads, device, args.train_batches or fp8_steps, log)
     wall["fp8"] = time.perf_counter() - log.start
     goals = targets(bf16, cost, fp8)
-    print_report(spec, steps, seeds, args.train_batches, bf16, cost, fp8, goals, wall, fp8_steps, args.quick)
+    print_report(spec, steps, seeds, train, bf16, cost, fp8, goals, wall, fp8_steps, args.quick)
     seconds = time.perf_counter() - started
-    print(f"\n{seconds:.0f} s; load average (1 min) {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
-          f"on {info['cores']} cores (more than the core count: other work shared the CPUs).")
+    print(f"\n{seconds:.0f} s; load average (1 min) {info['load_average']:.2f} at the start, {os.getloadavg()[0]:.2f} "
+          f"at the end, on {info['cores']} cores (more than the core count: other work shared the CPUs).")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "load_average_end": os.getloadavg()[0], "argv": sys.argv, "quick": args.quick,
                        "seconds": seconds, "wall_s": wall, "sizes": "quick" if args.quick else "small" if small else "full",
-                       "lm": vars(spec), "steps": steps, "seeds": seeds, "train_batches": args.train_batches, "lrs": lrs, "skipped": notes, "fp8_steps": fp8_steps,
-                       "bf16": bf16, "costs": cost, "runs": done, "fp8": fp8, "targets": goals}, f, indent=2)
+                       "lm": vars(spec), "steps": steps, "seeds": seeds, "train_batches": train, "lrs": lrs,
+                       "skipped": notes, "fp8_steps": fp8_steps, "bf16": bf16, "costs": cost, "runs": done, "fp8": fp8,
+                       "targets": goals}, f, indent=2)
         print(f"wrote {args.json}")
 
 
