@@ -31,10 +31,11 @@ wall time is in its table heading and the JSON (``wall_s``).
    quantization maps, Kahan buffers); gradients and activations are per-step and not counted, model
    buffers are left out, one-element state (step counters) is shown apart. Step time: every variant in
    one process, alternating step by step (so load on the machine hits all alike), seed 0, the first
-   lr; each variant's first step is timed apart ("first step s": torchao compiles its step there, with
-   the inductor cache as found), then the median of each after 5 warm-up steps; once with the default
-   threads and, on a CPU, once with one thread (on a shared machine every multi-threaded kernel can
-   wait for a descheduled thread, which penalises whichever variant launches more kernels).
+   lr; each variant's first step is timed apart ("first-step compile s": torchao compiles its step
+   there, with the inductor cache as found), then the median of each after 5 warm-up steps; once
+   with the default threads and, on a CPU, once more with one thread where that differs (on a shared
+   machine every multi-threaded kernel can wait for a descheduled thread, which penalises whichever
+   variant launches more kernels).
 2. fp8: the same LM for ``--fp8-steps`` steps at O5, O6 emulated and O6 with the device's
    ``torch._scaled_mm`` (where it has one); loss: mean of the last 10 steps; seed 0, fresh batches
    (or ``--train-batches N`` cycled).
@@ -219,7 +220,7 @@ def costs(spec, names, lr, steps, threads, device, log):
     rows = []
     for name in names:
         row = {"variant": name, **timed[threads][name]}
-        if threads != 1 and 1 in timed and "step_ms" in timed[1][name]:
+        if threads != 1 and "step_ms" in timed.get(1, {}).get(name, {}):
             row["step_ms_1t"] = timed[1][name]["step_ms"]
         rows.append(row)
     for row in rows:
@@ -262,9 +263,9 @@ def summary(all_runs, names, lrs):
                 continue
             row = {"variant": name, "lr": lr, "seeds": len(done)}
             for key in ("loss", "heldout"):
-                gaps = [r[key] - o5[r["seed"]][key] for r in done]
-                row.update({key: mean(r[key] for r in done), f"{key}_vs_O5": mean(gaps),
-                            f"{key}_gaps": (min(gaps), max(gaps))})
+                paired = [r[key] - o5[r["seed"]][key] for r in done]
+                row.update({key: mean(r[key] for r in done), f"{key}_vs_O5": mean(paired),
+                            f"{key}_gaps": (min(paired), max(paired))})
             rows.append(row)
     return rows
 
@@ -282,11 +283,11 @@ def bench_bf16(spec, names, lrs, steps, seeds, threads, device, train, log):
 def bench_fp8(spec, steps, threads, device, train, log):
     rows = []
     try:
-        ampkit.float8.require()
+        float8.require()
     except ImportError as e:
         return [{"variant": "O6", "skipped": str(e)}]
     for name in FP8_VARIANTS:
-        if name == "O6 _scaled_mm" and not ampkit.float8.has_fp8_matmul(device):
+        if name == "O6 _scaled_mm" and not float8.has_fp8_matmul(device):
             rows.append({"variant": name, "skipped": f"no torch._scaled_mm on {device}"})
             continue
         r = isolated(train_worker, spec, name, 1e-3, steps, threads, 0, str(device), train, report=log)
@@ -348,7 +349,7 @@ def print_report(spec, steps, seeds, train, bf16, cost, fp8, goals, wall, fp8_st
     print(table(cost, [("variant", "variant", "{}"), ("bytes/param", "bytes_per_param", "{:.4f}"),
                        ("w/o step counters", "elementwise_bytes_per_param", "{:.3f}"), ("ms/step", "step_ms", "{:.1f}"),
                        ("speed vs O5", "speed_vs_O5", "{:.2f}x"), ("ms/step 1 thread", "step_ms_1t", "{:.1f}"),
-                       ("speed vs O5, 1 thread", "speed_vs_O5_1t", "{:.2f}x"), ("first step s", "first_step_s", "{:.2f}"),
+                       ("speed vs O5, 1 thread", "speed_vs_O5_1t", "{:.2f}x"), ("first-step compile s", "first_step_s", "{:.2f}"),
                        ("skipped", "skipped", "{}")]))
     print(f"\n2. fp8 (same LM, AdamW lr 1e-3, {fp8_steps} steps; loss = mean of the last 10; {wall['fp8']:.0f} s)")
     print(table(fp8, [("variant", "variant", "{}"), ("loss", "loss", "{:.4f}"), ("last", "last_loss", "{:.4f}"),
