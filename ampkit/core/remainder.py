@@ -43,11 +43,10 @@ def split_(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], xs: Sequence[
         return
     x, w, r = _flat(xs), _out(ws), _out(rs)
     w.copy_(x)  # torch's own conversion: w is bit for bit what O5's model copy holds
-    top = w.view(torch.int16).to(torch.int32)
-    d = x.view(torch.int32) - top.bitwise_left_shift(16)
-    d.sub_(d.sub(top.bitwise_and(1)).ge_(_LOST))  # an even w's d >= 32767 moves down one
-    d.masked_fill_(x.isnan(), 0)
-    r.copy_(d)
+    bits = x.view(torch.int32)
+    d = torch.sub(bits, _lost(bits))  # an even w's d = 32767 or 32768 moves down one
+    d.mul_(bits.bitwise_and(0x7FFFFFFF).le_(0x7F800000))  # 0 for a NaN (int ops: no bool passes)
+    r.copy_(d)  # the low 16 bits: w's shifted bits have none, so this is d (or its code)
     _scatter(ws, w)
     _scatter(rs, r)
 
@@ -58,11 +57,16 @@ def combine(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], outs: Sequen
     if not outs:
         return
     w, r, out = _flat(ws), _flat(rs), _out(outs)
-    top = w.view(torch.int16).to(torch.int32)
-    d = r.to(torch.int32)
-    d.add_(d.eq(_LOST).logical_and_(top.bitwise_and(1).eq_(0)))
-    out.view(torch.int32).copy_(top.bitwise_left_shift_(16).add_(d))
+    bits = out.view(torch.int32)
+    bits.copy_(w.view(torch.int16)).bitwise_left_shift_(16).add_(r)
+    bits.add_(bits.bitwise_and(0x1FFFF).eq_(_LOST))  # code 32767 of an even w: d = +32768
     _scatter(outs, out)
+
+
+def _lost(bits: torch.Tensor) -> torch.Tensor:
+    """1 where float32 ``bits`` lie 32767 or 32768 above an even bfloat16 value (bit 16 clear,
+    low 16 bits 0x7FFF or 0x8000: the two values whose codes move down one), else 0 (int32)."""
+    return bits.bitwise_and(0x1FFFF).sub_(_LOST).bitwise_right_shift_(1).eq_(0)
 
 
 def _check(ws, rs, xs, fn: str, name: str) -> None:

@@ -113,8 +113,9 @@ class TransientUpdate:
         wide = []
         if srcs:
             wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
+            skip = 0 if self.model_states is None else len(half)  # remainder masters: combine writes the weights
             with torch.no_grad():
-                torch._foreach_copy_(wide, srcs)
+                torch._foreach_copy_(wide[skip:], srcs[skip:])
         state_8bit.widen(packed)
         weights, copies, grad_copies = srcs[:len(half)], wide[:len(half)], wide[len(half):2 * len(half)]
         rems = None if self.model_states is None else self._remainders(half)

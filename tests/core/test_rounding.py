@@ -121,7 +121,7 @@ def test_rounder_state_dict_resumes_the_stream():
 
     def draw(rounder):
         out = torch.empty(1000, dtype=torch.bfloat16)
-        rounder.round_([out], [x])
+        rounder.round_([out], [x.clone()])  # srcs are scratch
         return out
 
     r = StochasticRounder(seed=3)
