@@ -83,9 +83,12 @@ def _run(ts: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """``ts`` as one flat view when they lie back to back in one storage, else ``None``."""
     first, at = ts[0], ts[0].data_ptr()
     for t in ts:
-        if not t.is_contiguous() or t.data_ptr() != at or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        if t.data_ptr() != at or not t.is_contiguous():
             return None
         at += t.numel() * t.element_size()
+    storage = first.untyped_storage()  # one run of memory inside the first's storage is that storage's
+    if at > storage.data_ptr() + storage.nbytes():
+        return None
     return first.as_strided((sum(t.numel() for t in ts),), (1,))
 
 

@@ -65,9 +65,12 @@ def _flat(srcs: List[torch.Tensor]) -> torch.Tensor:
     storage (as O7's transient copies do), else a concatenated copy."""
     first, at = srcs[0], srcs[0].data_ptr()
     for s in srcs:
-        if not s.is_contiguous() or s.data_ptr() != at or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        if s.data_ptr() != at or not s.is_contiguous():
             return _flatten_dense_tensors(srcs)
         at += s.numel() * s.element_size()
+    storage = first.untyped_storage()  # one run of memory inside the first's storage is that storage's
+    if at > storage.data_ptr() + storage.nbytes():
+        return _flatten_dense_tensors(srcs)
     return first.as_strided((sum(s.numel() for s in srcs),), (1,))
 
 
