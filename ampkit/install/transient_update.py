@@ -107,7 +107,7 @@ class TransientUpdate:
         opt, swapped = self.optimizer, []
         half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
         stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
-                  if _elementwise(k, v, p) and v.dtype != torch.float32]
+                  if torch.is_tensor(v) and v.dtype != torch.float32 and _elementwise(k, v, p)]  # cheap test first
         packed = state_8bit.held(opt.state, half) if self.state_dtype == STATE_8BIT else []
         srcs = [local(t) for t in half + [grads[p] for p in half] + [v for _, _, v in stored]]  # FSDP2: shards
         wide = []
