@@ -130,6 +130,19 @@ def test_generator_reproducible():
     assert torch.equal(q1, q2)
 
 
+def test_draws_are_24_uniform_bits_from_both_halves_of_each_word():
+    """Every bit of the 24, at even and odd positions (the two halves of a 64-bit word, an odd
+    count), is set half the time; nothing above bit 23; the same generator state, the same draws."""
+    from ampkit.core.blockquant import _draws
+    n = 2**16 + 1
+    d = _draws(n, torch.device("cpu"), torch.Generator().manual_seed(5))
+    assert d.dtype == torch.int32 and d.numel() == n and d.min() >= 0 and d.max() < 2**24
+    for half in (d[0::2], d[1::2]):
+        ones = torch.stack([half.bitwise_right_shift(b).bitwise_and(1) for b in range(24)]).double().mean(dim=1)
+        assert (ones - 0.5).abs().max() <= 5 * math.sqrt(0.25 / half.numel())
+    assert torch.equal(d, _draws(n, torch.device("cpu"), torch.Generator().manual_seed(5)))
+
+
 def test_empty_and_bad_arguments():
     quantize_(torch.empty(0, dtype=torch.int8), torch.empty(0), torch.empty(0))
     q, s, x = torch.empty(10, dtype=torch.int8), torch.empty(1), torch.zeros(10)
