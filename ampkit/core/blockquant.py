@@ -29,7 +29,7 @@ import torch
 __all__ = ["quantize_", "dequantize", "num_blocks"]
 
 _TOP = {torch.int8: 127.0, torch.uint8: 1.9375}  # the largest code's value, in units of s
-_SUB_BITS = 0x38800000  # uint8: float32 bits of 2**-14, the least normal code (E = 1, M = 0), in units of s
+_SUB = 2.0 ** -14  # uint8: the least normal code's value (E = 1, M = 0), in units of s
 _BIAS = (127 - 15) << 4  # uint8: float32 bits >> 19, less this, is the code of a normal value
 
 
@@ -48,14 +48,12 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=
     scales.copy_(_scales(x, q.dtype, block_size))
     y = x.abs().div_(_expand(scales, x.numel(), block_size))
     y.nan_to_num_(0.0)  # the blocks with a NaN scale: any code reads back NaN (y is never infinite)
+    low, frac = _split_linear(y) if q.dtype == torch.int8 else _split_e4m4(y)
     draw = _draws(x.numel(), x.device, generator)
+    low.add_(draw.float().lt_(frac.mul_(1 << 24)))
     if q.dtype == torch.int8:
-        low, frac = _split_linear(y)
-        low.add_(draw.float().lt_(frac.mul_(1 << 24)))
-        q.copy_(low.copysign_(x))
-    else:
-        low, above = _split_e4m4(y)
-        q.copy_(low.sub_(draw.sub_(above).bitwise_right_shift_(31)))  # up one where draw < above
+        low.copysign_(x)
+    q.copy_(low)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_size: int = 256) -> torch.Tensor:
@@ -67,9 +65,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_s
         out.copy_(q)
     else:
         c = q.to(torch.int32)
-        normal = c.add(_BIAS).bitwise_left_shift_(19)
-        linear = c.float().mul_(2.0 ** -18).view(torch.int32)
-        out.view(torch.int32).copy_(_select(normal, linear, c.sub_(16).bitwise_right_shift_(31)))
+        normal = c.add(_BIAS).bitwise_left_shift_(19).view(torch.float32)
+        out.copy_(torch.where(c.ge(16), normal, c.float().mul_(2.0 ** -18)))
     return out.mul_(_expand(scales, out.numel(), block_size))
 
 
@@ -101,22 +98,12 @@ def _split_linear(y: torch.Tensor):
 
 
 def _split_e4m4(y: torch.Tensor):
-    """``y`` in ``[0, 1.9375]`` as its lower e4m4 code and ``A``: it rounds up where a 24-bit
-    draw is below ``A``, the fraction of the way to the next code times 2**24 (rounded up: a
-    draw is an integer), both int32. Integer ops and selects, no bool tensors (slow on CPU)."""
+    """``y`` in ``[0, 1.9375]`` as its lower e4m4 code (as float) and the fraction to the next."""
     bits = y.view(torch.int32)
-    low = bits.bitwise_right_shift(19).sub_(_BIAS)
-    above = bits.bitwise_and(0x7FFFF).bitwise_left_shift_(5)
-    v = y.mul(2.0 ** 18)
-    linear = v.floor()
-    frac = v.sub_(linear).mul_(1 << 24).ceil_().to(torch.int32)
-    below = bits.sub(_SUB_BITS).bitwise_right_shift_(31)  # -1 where y < 2**-14 (the linear run)
-    return _select(low, linear.to(torch.int32), below), _select(above, frac, below)
-
-
-def _select(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """int32 ``a`` where ``mask`` is 0, ``b`` where it is -1 (into ``a``)."""
-    return a.bitwise_xor_(b.bitwise_xor(a).bitwise_and_(mask))
+    normal = y.ge(_SUB)
+    low = torch.where(normal, bits.bitwise_right_shift(19).sub_(_BIAS).float(), y.mul(2.0 ** 18).floor_())
+    frac = torch.where(normal, bits.bitwise_and(0x7FFFF).float().mul_(2.0 ** -19), y.mul(2.0 ** 18).sub_(low))
+    return low, frac
 
 
 def _per_block(t: torch.Tensor, block_size: int, reduce) -> torch.Tensor:
