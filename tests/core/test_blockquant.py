@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ampkit.core.blockquant import dequantize, num_blocks, quantize_
+from ampkit.core.blockquant import _draws, dequantize, num_blocks, quantize_
 
 B = 256
 
@@ -133,7 +133,6 @@ def test_generator_reproducible():
 def test_draws_are_24_uniform_bits_from_both_halves_of_each_word():
     """Every bit of the 24, at even and odd positions (the two halves of a 64-bit word, an odd
     count), is set half the time; nothing above bit 23; the same generator state, the same draws."""
-    from ampkit.core.blockquant import _draws
     n = 2**16 + 1
     d = _draws(n, torch.device("cpu"), torch.Generator().manual_seed(5))
     assert d.dtype == torch.int32 and d.numel() == n and d.min() >= 0 and d.max() < 2**24
