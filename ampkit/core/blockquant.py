@@ -46,7 +46,7 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=
     if not x.numel():
         return
     scales.copy_(_scales(x, q.dtype, block_size))
-    y = x.abs().div_(_expand(scales, x.numel(), block_size))
+    y = _by_block_(x.abs(), scales, block_size, torch.Tensor.div_)
     y.nan_to_num_(0.0)  # the blocks with a NaN scale: any code reads back NaN (y is never infinite)
     low, frac = _split_linear(y) if q.dtype == torch.int8 else _split_e4m4(y)
     draw = _draws(x.numel(), x.device, generator)
@@ -67,7 +67,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_s
         c = q.to(torch.int32)
         normal = c.add(_BIAS).bitwise_left_shift_(19).view(torch.float32)
         out.copy_(torch.where(c.ge(16), normal, c.float().mul_(2.0 ** -18)))
-    return out.mul_(_expand(scales, out.numel(), block_size))
+    return _by_block_(out, scales, block_size, torch.Tensor.mul_)
 
 
 def _draws(n: int, device, generator) -> torch.Tensor:
@@ -115,8 +115,14 @@ def _per_block(t: torch.Tensor, block_size: int, reduce) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _expand(scales: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
-    return scales.repeat_interleave(block_size, output_size=scales.numel() * block_size)[:numel]
+def _by_block_(t: torch.Tensor, scales: torch.Tensor, block_size: int, op) -> torch.Tensor:
+    """Flat ``t`` divided or multiplied (``op``: ``Tensor.div_`` / ``mul_``) in place by each
+    block's scale, broadcast over the blocks (no expanded copy of the scales)."""
+    full = t.numel() // block_size * block_size
+    op(t[:full].view(-1, block_size), scales[:full // block_size, None])
+    if full < t.numel():
+        op(t[full:], scales[-1:])
+    return t
 
 
 def _check_block(block_size) -> int:
