@@ -45,8 +45,9 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=
     _check(q, scales, x, block_size, "quantize_", "x")
     if not x.numel():
         return
-    scales.copy_(_scales(x, q.dtype, block_size))
-    y = _by_block_(x.abs(), scales, block_size, torch.Tensor.div_)
+    y = x.abs()
+    scales.copy_(_scales(x, y, q.dtype, block_size))
+    _by_block_(y, scales, block_size, torch.Tensor.div_)
     y.nan_to_num_(0.0)  # the blocks with a NaN scale: any code reads back NaN (y is never infinite)
     low, frac = _split_linear(y) if q.dtype == torch.int8 else _split_e4m4(y)
     draw = _draws(x.numel(), x.device, generator)
@@ -77,12 +78,13 @@ def _draws(n: int, device, generator) -> torch.Tensor:
     return words.view(torch.int32)[:n].bitwise_and_((1 << 24) - 1)
 
 
-def _scales(x: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    """Each block's least power of two ``s`` with ``absmax <= top * s``, from ``absmax = m 2**e``
-    (``m`` in ``[0.5, 1)``): ``2**(e - 7)`` for int8, ``2**(e - 1)`` for uint8, twice that when
-    ``m`` exceeds ``top / 128`` or ``top / 2``; NaN for a block the code cannot hold."""
+def _scales(x: torch.Tensor, absx: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """Each block's least power of two ``s`` with ``absmax <= top * s`` (``absx`` is ``x.abs()``),
+    from ``absmax = m 2**e`` (``m`` in ``[0.5, 1)``): ``2**(e - 7)`` for int8, ``2**(e - 1)`` for
+    uint8, twice that when ``m`` exceeds ``top / 128`` or ``top / 2``; NaN for a block the code
+    cannot hold."""
     top, shift = _TOP[dtype], 7 if dtype == torch.int8 else 1
-    amax = _per_block(x.abs(), block_size, torch.amax)
+    amax = _per_block(absx, block_size, torch.amax)
     m, e = torch.frexp(amax)
     e.sub_(shift).add_(m.gt(top / 2 ** shift).to(e.dtype)).clamp_(-149, 127)
     bad = amax.isfinite().logical_not_().logical_or_(amax.gt(top * 2.0 ** 127))
@@ -101,8 +103,9 @@ def _split_e4m4(y: torch.Tensor):
     """``y`` in ``[0, 1.9375]`` as its lower e4m4 code (as float) and the fraction to the next."""
     bits = y.view(torch.int32)
     normal = y.ge(_SUB)
-    low = torch.where(normal, bits.bitwise_right_shift(19).sub_(_BIAS).float(), y.mul(2.0 ** 18).floor_())
-    frac = torch.where(normal, bits.bitwise_and(0x7FFFF).float().mul_(2.0 ** -19), y.mul(2.0 ** 18).sub_(low))
+    linear = y.mul(2.0 ** 18)  # the linear run's codes in units of one step
+    low = torch.where(normal, bits.bitwise_right_shift(19).sub_(_BIAS).float(), linear.floor())
+    frac = torch.where(normal, bits.bitwise_and(0x7FFFF).float().mul_(2.0 ** -19), linear.sub_(low))
     return low, frac
 
 
