@@ -9,7 +9,7 @@ Progress lines go to stderr as the runs go, with the seconds since each part sta
 wall time is in its table heading and the JSON (``wall_s``).
 
 1. bf16 frontier: the demo LM (``ampkit.apps.demo.DEMO_LM``; ``--d-model`` for another width; where
-   ``ampkit.capabilities()`` calls bfloat16 emulated, ``EMULATED_LM`` unless ``--d-model`` or ``--size full``)
+   ``ampkit.capabilities()`` calls bfloat16 emulated, ``EMULATED_LM`` unless ``--size full``; ``--d-model`` sets the width)
    trained with AdamW for ``--steps`` steps at each of ``--lrs``. Variants: ampkit's O5, O5 with
    ``master_weights="remainder"``, O7 (fp32 optimizer state), O7 with bf16 state, O8 (where
    ``ampkit.core.levels.OPT_LEVELS`` has it) and the control O7 with ``update_rounding="nearest"``;
@@ -383,11 +383,11 @@ def parse(argv):
                    "repeated; 8 is the earlier frontier figures' setting, in which the LM memorises them)")
     p.add_argument("--fp8-steps", type=int, default=60)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--d-model", type=int, help=f"LM width (default {LM.d_model}, the demo's; see --size)")
+    p.add_argument("--d-model", type=int, help="the LM's width (default: that of the LM --size picks)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one less per busy core by the load average)")
     p.add_argument("--size", choices=("auto", "full", "small"), default="auto",
-                   help=f"auto: without --d-model, the small LM ({EMULATED_LM.d_model} wide) where "
+                   help=f"auto: the small LM ({EMULATED_LM.d_model} wide, batch {EMULATED_LM.batch}x{EMULATED_LM.seq_len}) where "
                         f"ampkit.capabilities() calls bfloat16 emulated here")
     return p.parse_args(argv)
 
@@ -396,8 +396,9 @@ def main(argv=None):
     args = parse(argv)
     device = torch.device(args.device)
     threads = args.threads or default_threads()
-    small = args.size == "small" or (args.size == "auto" and not args.d_model and emulated(("O5",), device))
-    spec = QUICK_LM if args.quick else EMULATED_LM if small else dataclasses.replace(LM, d_model=args.d_model or LM.d_model)
+    small = args.size == "small" or (args.size == "auto" and emulated(("O5",), device))
+    spec = QUICK_LM if args.quick else EMULATED_LM if small else LM
+    spec = dataclasses.replace(spec, d_model=args.d_model) if args.d_model else spec
     steps, fp8_steps, seeds = (25, 10, 2) if args.quick else (args.steps, args.fp8_steps, args.seeds)
     lrs = [float(x) for x in args.lrs.split(",")][:1 if args.quick else None]
     names, notes = variants(args.only and args.only.split(","), not args.no_peers)
