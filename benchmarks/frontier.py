@@ -362,10 +362,11 @@ def print_report(spec, steps, seeds, train, bf16, cost, fp8, goals, wall, fp8_st
                        ("speed vs O5", "speed_vs_O5", "{:.2f}x"), ("ms/step 1 thread", "step_ms_1t", "{:.1f}"),
                        ("speed vs O5, 1 thread", "speed_vs_O5_1t", "{:.2f}x"), ("first-step compile s", "first_step_s", "{:.2f}"),
                        ("skipped", "skipped", "{}")]))
-    print(f"\n2. fp8 (same LM, AdamW lr 1e-3, {fp8_steps} steps; loss = mean of the last 10; {wall['fp8']:.0f} s)")
-    print(table(fp8, [("variant", "variant", "{}"), ("loss", "loss", "{:.4f}"), ("last", "last_loss", "{:.4f}"),
-                      ("vs O5", "vs_O5_loss", "{:+.4f}"), ("fp8 layers", "fp8_layers", "{}"), ("emulated", "emulated", "{}"),
-                      ("ms/step", "step_ms", "{:.1f}"), ("bytes/param", "bytes_per_param", "{:.2f}"), ("skipped", "skipped", "{}")]))
+    if fp8:
+        print(f"\n2. fp8 (same LM, AdamW lr 1e-3, {fp8_steps} steps; loss = mean of the last 10; {wall['fp8']:.0f} s)")
+        print(table(fp8, [("variant", "variant", "{}"), ("loss", "loss", "{:.4f}"), ("last", "last_loss", "{:.4f}"),
+                          ("vs O5", "vs_O5_loss", "{:+.4f}"), ("fp8 layers", "fp8_layers", "{}"), ("emulated", "emulated", "{}"),
+                          ("ms/step", "step_ms", "{:.1f}"), ("bytes/param", "bytes_per_param", "{:.2f}"), ("skipped", "skipped", "{}")]))
     print("\nTargets" + (" (--quick: not valid)" if quick else ""))
     print(table(goals, [("target", "target", "{}"), ("measured", "measured", "{}"), ("met", "met", "{}")]))
 
@@ -381,7 +382,7 @@ def parse(argv):
     p.add_argument("--no-peers", action="store_true", help="ampkit's variants only")
     p.add_argument("--train-batches", type=int, help="training batches, cycled (default: one per step, none "
                    "repeated; 8 is the earlier frontier figures' setting, in which the LM memorises them)")
-    p.add_argument("--fp8-steps", type=int, default=60)
+    p.add_argument("--fp8-steps", type=int, default=60, help="0 skips the fp8 part")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--d-model", type=int, help="the LM's width (default: that of the LM --size picks)")
     p.add_argument("--threads", type=int, default=None,
@@ -413,7 +414,7 @@ def main(argv=None):
     bf16, cost, done = bench_bf16(spec, names, lrs, steps, seeds, threads, device, train, log)
     wall["bf16"] = time.perf_counter() - log.start
     log = Log("fp8")
-    fp8 = bench_fp8(spec, fp8_steps, threads, device, args.train_batches or fp8_steps, log)
+    fp8 = bench_fp8(spec, fp8_steps, threads, device, args.train_batches or fp8_steps, log) if fp8_steps > 0 else []
     wall["fp8"] = time.perf_counter() - log.start
     goals = targets(bf16, cost, fp8)
     print_report(spec, steps, seeds, train, bf16, cost, fp8, goals, wall, fp8_steps, args.quick)
