@@ -25,10 +25,12 @@ with ``d`` in ``[-32768, -1]``, so the master stays finite and exact; an infinit
 ``r = 0`` and comes back infinite; a NaN gives torch's bfloat16 NaN with ``r = 0`` and comes
 back NaN (its payload is not kept).
 """
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
+
+from .flat import flat, flat_view
 
 __all__ = ["split_", "combine", "master", "remainder"]
 
@@ -41,7 +43,7 @@ def split_(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], xs: Sequence[
     _check(ws, rs, xs, "split_", "xs")
     if not xs:
         return
-    x, w, r = _flat(xs), _out(ws), _out(rs)
+    x, w, r = flat(xs), _out(ws), _out(rs)
     w.copy_(x)  # torch's own conversion: w is bit for bit what O5's model copy holds
     bits = x.view(torch.int32)
     d = torch.sub(bits, _lost(bits))  # an even w's d = 32767 or 32768 moves down one
@@ -56,7 +58,7 @@ def combine(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], outs: Sequen
     _check(ws, rs, outs, "combine", "outs")
     if not outs:
         return
-    w, r, out = _flat(ws), _flat(rs), _out(outs)
+    w, r, out = flat(ws), flat(rs), _out(outs)
     bits = out.view(torch.int32)
     bits.copy_(w.view(torch.int16)).bitwise_left_shift_(16).add_(r)
     bits.add_(bits.bitwise_and(0x1FFFF).eq_(_LOST))  # code 32767 of an even w: d = +32768
@@ -79,32 +81,14 @@ def _check(ws, rs, xs, fn: str, name: str) -> None:
         raise ValueError(f"{fn}: ws, rs and {name} must all be on one device.")
 
 
-def _run(ts: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``ts`` as one flat view when they lie back to back in one storage, else ``None``."""
-    first, at = ts[0], ts[0].data_ptr()
-    for t in ts:
-        if t.data_ptr() != at or not t.is_contiguous():
-            return None
-        at += t.numel() * t.element_size()
-    storage = first.untyped_storage()  # one run of memory inside the first's storage is that storage's
-    if at > storage.data_ptr() + storage.nbytes():
-        return None
-    return first.as_strided((sum(t.numel() for t in ts),), (1,))
-
-
-def _flat(ts: List[torch.Tensor]) -> torch.Tensor:
-    run = _run(ts)
-    return _flatten_dense_tensors(ts) if run is None else run
-
-
 def _out(ts: List[torch.Tensor]) -> torch.Tensor:
     """A flat tensor to write ``ts``'s values into: their flat view, or scratch for :func:`_scatter`."""
-    run = _run(ts)
-    return torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device) if run is None else run
+    view = flat_view(ts)
+    return torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device) if view is None else view
 
 
 def _scatter(ts: List[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy ``flat`` into ``ts`` unless it is their own flat view (made by :func:`_run`)."""
+    """Copy ``flat`` into ``ts`` unless it is their own flat view (made by :func:`flat_view`)."""
     if flat._base is None:  # scratch from torch.empty; a view of ts has a base
         torch._foreach_copy_(list(ts), _unflatten_dense_tensors(flat, ts))
 

@@ -21,7 +21,9 @@ independent).
 from typing import Dict, List, Optional
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
+
+from .flat import flat
 
 __all__ = ["round_to_bf16_", "round_all_to_bf16_", "StochasticRounder"]
 
@@ -46,32 +48,18 @@ def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], gener
             raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {d.dtype} and {s.dtype}.")
     if not srcs:
         return
-    flat = _flat(srcs)
-    n = flat.numel()
+    run = flat(srcs)
+    n = run.numel()
     if n == 0:
         return
     h = (n + 1) // 2
-    words = torch.empty(-(-h // _PER_WORD), dtype=torch.int64, device=flat.device).random_(-2**63, None, generator=generator)
+    words = torch.empty(-(-h // _PER_WORD), dtype=torch.int64, device=run.device).random_(-2**63, None, generator=generator)
     draws = words.view(torch.int16)[:h]  # signed: with _HALF added below, uniform in [0, 65536)
-    bits = flat.view(torch.int32)
+    bits = run.view(torch.int32)
     bits[:h].add_(draws)
     bits[h:].add_(torch.mul(draws[:n - h], 257))  # the partners' draws: 257 d, wrapping in 16 bits
     bits.add_(_HALF).bitwise_and_(_KEEP)
-    torch._foreach_copy_(dsts, _unflatten_dense_tensors(flat, dsts))  # exact: the dropped bits are zero
-
-
-def _flat(srcs: List[torch.Tensor]) -> torch.Tensor:
-    """``srcs`` (at least one) as one flat tensor: a view when they lie back to back in one
-    storage (as O7's transient copies do), else a concatenated copy."""
-    first, at = srcs[0], srcs[0].data_ptr()
-    for s in srcs:
-        if s.data_ptr() != at or not s.is_contiguous():
-            return _flatten_dense_tensors(srcs)
-        at += s.numel() * s.element_size()
-    storage = first.untyped_storage()  # one run of memory inside the first's storage is that storage's
-    if at > storage.data_ptr() + storage.nbytes():
-        return _flatten_dense_tensors(srcs)
-    return first.as_strided((sum(s.numel() for s in srcs),), (1,))
+    torch._foreach_copy_(dsts, _unflatten_dense_tensors(run, dsts))  # exact: the dropped bits are zero
 
 
 class StochasticRounder:
