@@ -129,8 +129,13 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     """Whether every element of ``t`` is finite, as a device boolean (one pass, no copy)."""
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t.detach())
-    return torch.isfinite(lo) & torch.isfinite(hi)
+    return torch.isfinite(_amax(t.detach()))
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``t`` (NaN if it holds one, inf if an inf), from one ``aminmax`` pass."""
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(-lo, hi)
 
 
 class _Acc:
@@ -169,8 +174,7 @@ class _Acc:
             amax = a.amax()
             over = (a.view(torch.int32) >= _BF16_OVERFLOW_BITS).sum()
         else:
-            lo, hi = torch.aminmax(x)
-            amax = torch.maximum(-lo, hi)
+            amax = _amax(x)
         if tiny:
             bits = x.flatten().view(torch.int32).bitwise_and(0x7FFFFFFF)
             flush = ((bits > 0) & (bits <= _BF16_FLUSH_BITS)).sum()
@@ -200,11 +204,6 @@ def fp8_qdq(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: Opt
     return (t * scale).clamp_(-fmax, fmax).to(dtype).float().div_(scale)
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(-lo, hi)
-
-
 def _sample_rows(t: torch.Tensor) -> torch.Tensor:
     """At most :data:`FP8_ROWS` evenly spaced rows of 2-d ``t``."""
     return t[::-(-t.shape[0] // FP8_ROWS)] if t.shape[0] > FP8_ROWS else t
@@ -223,10 +222,11 @@ class _Fp8Acc:
     def forward(self, x: torch.Tensor, linear: nn.Linear, output) -> None:
         """The error of ``linear``'s matmul on input ``x`` in fp8 against the fp32 ``output`` it gave."""
         x, weight = x.detach().float().reshape(-1, x.shape[-1]), linear.weight.detach().float()
-        if not bool(all_finite(x) & all_finite(weight)):
+        x_max, w_max = _amax(x), _amax(weight)
+        if not bool(torch.isfinite(x_max) & torch.isfinite(w_max)):
             return
         rows = _sample_rows(x)
-        xq, wq = fp8_qdq(rows, amax=_amax(x)), fp8_qdq(weight)
+        xq, wq = fp8_qdq(rows, amax=x_max), fp8_qdq(weight, amax=w_max)
         if isinstance(output, torch.Tensor) and output.dtype == torch.float32 and output.numel() == x.shape[0] * weight.shape[0]:
             ref = _sample_rows(output.detach().reshape(x.shape[0], -1))  # the layer's own fp32 matmul, plus its bias
             ref = ref - linear.bias.detach() if linear.bias is not None else ref
@@ -240,9 +240,10 @@ class _Fp8Acc:
 
     def grad(self, g: torch.Tensor) -> None:
         g = g.reshape(-1, g.shape[-1]) if g.dim() > 1 else g.reshape(1, -1)
-        if all_finite(g):
+        g_max = _amax(g)
+        if torch.isfinite(g_max):
             rows = _sample_rows(g)
-            q = fp8_qdq(rows, torch.float8_e5m2, amax=_amax(g))
+            q = fp8_qdq(rows, torch.float8_e5m2, amax=g_max)
             self._add("g_flush", ((q == 0) & (rows != 0)).sum())
             self._add("g_n", torch.tensor(rows.numel(), device=g.device))
 
