@@ -67,9 +67,7 @@ def widen(entries: List[Held]) -> None:
             codes, scales = [local(e[2]) for e in group], [e[3] for e in group]  # FSDP2: the shards
             q, segments = _layout(codes, codes[0].dtype)
             torch._foreach_copy_(segments, codes)
-            out = dequantize(q, torch.cat(scales), torch.empty(q.numel(), device=q.device), BLOCK)
-            if q.dtype == torch.uint8:
-                out.square_()
+            out = _widen(q, torch.cat(scales), torch.empty(q.numel(), device=q.device))
             for (st, k, c, _), slot in zip(group, _segments(out, codes)):
                 st[k] = like(slot, c)
                 del st[k + CODES], st[k + SCALES]
@@ -133,16 +131,18 @@ def widened_state_dict(optimizer, state_dict: dict) -> dict:
             continue
         wide = {k: v for k, v in st.items() if not (isinstance(k, str) and k.endswith((CODES, SCALES)))}
         for c in codes:
-            k = c[:-len(CODES)]
-            codes = local(st[c])
-            wide[k] = like(_widen(k, codes, st[k + SCALES], torch.empty(codes.shape, dtype=torch.float32, device=codes.device)), st[c])
+            k, q = c[:-len(CODES)], local(st[c])
+            out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            wide[k] = like(_widen(q, st[k + SCALES], out), st[c])
         state[i] = wide
     return {**state_dict, "state": state}
 
 
-def _widen(key: str, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _widen(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``codes`` and their scales as float32 values in ``out``: squared where the codes are
+    uint8 (the square roots of :data:`SQRT_KEYS`)."""
     dequantize(codes.view(-1), scales, out.view(-1), BLOCK)
-    return out.square_() if key in SQRT_KEYS else out
+    return out.square_() if codes.dtype == torch.uint8 else out
 
 
 def _empty(key: str, like: torch.Tensor):
