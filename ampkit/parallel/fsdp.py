@@ -127,7 +127,6 @@ class Plan:
             state._param_ids = {id(p) for p in model.parameters()}
         return {before[i]: m._parameters[n] for i, (m, n) in where.items()}
 
-
     def shard_index(self) -> int:
         """This rank's shard: its index along the mesh's sharding (last) dimension."""
         mesh = self.shard_kwargs.get("mesh")

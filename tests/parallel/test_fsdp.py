@@ -239,19 +239,27 @@ def _worker(rank, world_size, checkpoint_dir):
     out["O1/sharded_first"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
     out["errors"] = _wrong_orders(rank)
     for level in CHECKPOINT_LEVELS:
-        model, opt = _build(level, seed=rank, distributed=True, adam=True)
-        out[f"{level}/uninterrupted"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=1))
+        model = _uninterrupted_and_saved(level, rank, checkpoint_dir, out)
         if level == "O5":
             out["export"] = full_state_dict(model)
-        model, opt = _build(level, seed=rank, distributed=True, adam=True)
-        _train(model, opt, range(SAVE_AT), rank, poison_at=1)
-        save_sharded(f"{checkpoint_dir}/{level}", model, opt)
     return out
 
 
-def _resume_worker(rank, world_size, checkpoint_dir):
+def _uninterrupted_and_saved(level, rank, checkpoint_dir, out):
+    """``out[level + "/uninterrupted"]``: the outcome of STEPS steps (with an inf at step 1); and a
+    second run's sharded checkpoint after SAVE_AT steps. Returns the uninterrupted model."""
+    model, opt = _build(level, seed=rank, distributed=True, adam=True)
+    out[f"{level}/uninterrupted"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=1))
+    saved, saved_opt = _build(level, seed=rank, distributed=True, adam=True)
+    _train(saved, saved_opt, range(SAVE_AT), rank, poison_at=1)
+    save_sharded(f"{checkpoint_dir}/{level}", saved, saved_opt)
+    return model
+
+
+def _resume_worker(rank, world_size, checkpoint_dir, levels):
+    """Each level's checkpoint loaded into a model built from other weights, trained to STEPS."""
     out = {}
-    for level in CHECKPOINT_LEVELS:
+    for level in levels:
         model, opt = _build(level, seed=100 + rank, distributed=True, adam=True)
         load_sharded(f"{checkpoint_dir}/{level}", model, opt)
         out[level] = _outcome(model, opt, *_train(model, opt, range(SAVE_AT, STEPS), rank))
@@ -270,7 +278,7 @@ def two_ranks(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def resumed(two_ranks, checkpoint_dir):
-    return run(_resume_worker, 2, checkpoint_dir, timeout=900, pg_timeout=600)
+    return run(_resume_worker, 2, checkpoint_dir, CHECKPOINT_LEVELS, timeout=900, pg_timeout=600)
 
 
 def _reference(level, **kwargs):
@@ -435,20 +443,7 @@ def _transient_worker(rank, world_size, checkpoint_dir):
         out[f"{level}/inf"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=POISON_STEP))
         model, opt = _build(level, seed=rank, distributed=True, adam=True)
         out[f"{level}/fit"] = _train(model, opt, [0] * FIT_STEPS, rank)[0]  # one batch, again and again
-        model, opt = _build(level, seed=rank, distributed=True, adam=True)
-        out[f"{level}/uninterrupted"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank, poison_at=1))
-        model, opt = _build(level, seed=rank, distributed=True, adam=True)
-        _train(model, opt, range(SAVE_AT), rank, poison_at=1)
-        save_sharded(f"{checkpoint_dir}/{level}", model, opt)
-    return out
-
-
-def _transient_resume_worker(rank, world_size, checkpoint_dir):
-    out = {}
-    for level in TRANSIENT:
-        model, opt = _build(level, seed=100 + rank, distributed=True, adam=True)
-        load_sharded(f"{checkpoint_dir}/{level}", model, opt)
-        out[level] = _outcome(model, opt, *_train(model, opt, range(SAVE_AT, STEPS), rank))
+        _uninterrupted_and_saved(level, rank, checkpoint_dir, out)
     return out
 
 
@@ -464,7 +459,7 @@ def transient_ranks(transient_dir):
 
 @pytest.fixture(scope="module")
 def transient_resumed(transient_ranks, transient_dir):
-    return run(_transient_resume_worker, 2, transient_dir, timeout=900, pg_timeout=600)
+    return run(_resume_worker, 2, transient_dir, list(TRANSIENT), timeout=900, pg_timeout=600)
 
 
 def _scalers(amp):
