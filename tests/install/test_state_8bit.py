@@ -16,6 +16,8 @@ from ampkit.core.blockquant import dequantize, num_blocks
 from ampkit.core.registry import current as current_run
 from ampkit.install import state_8bit, transient_update
 
+from .test_transient_update import train
+
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
@@ -47,18 +49,6 @@ def batches(n):
         x = torch.randn(32, 8, generator=g)
         out.append((x, torch.tanh(x @ teacher) + 0.05 * torch.randn(32, 4, generator=g)))
     return out
-
-
-def train(model, opt, data):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        with ampkit.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def build(level="O8", opt_name="adamw", bn=False, **kw):

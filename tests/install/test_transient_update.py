@@ -35,12 +35,16 @@ def batches(n):
 
 
 def train(model, opt, data):
+    """One step per ``(x, y)`` of ``data`` (MSE loss); the losses."""
+    losses = []
     for x, y in data:
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         with ampkit.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 def o7(opt_name="adamw", bn=False, **kw):
