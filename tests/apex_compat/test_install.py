@@ -13,14 +13,6 @@ import ampkit.parallel
 from ampkit import apex_compat
 
 
-@pytest.fixture
-def standin(monkeypatch):
-    monkeypatch.delenv(apex_compat.ENV, raising=False)
-    assert apex_compat.install() is True
-    yield
-    apex_compat.uninstall()
-
-
 def test_names_resolve_to_ampkit(standin, capsys):
     announced_before = apex_compat._Finder.announced
     import apex

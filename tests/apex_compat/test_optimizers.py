@@ -4,16 +4,6 @@ ops compute what plain torch computes, with Apex's overflow flag."""
 import pytest
 import torch
 
-from ampkit import apex_compat
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    monkeypatch.delenv(apex_compat.ENV, raising=False)
-    assert apex_compat.install() is True
-    yield
-    apex_compat.uninstall()
-
 
 def _model(seed=0):
     torch.manual_seed(seed)
