@@ -37,12 +37,18 @@ def _loss(model, x, y, overflow=False):
     return loss * float("inf") if overflow else loss
 
 
-def run(level, drop=None, where=None, exc=Dropped):
-    """Train on ``batches()``; batch ``drop`` is dropped at ``where`` by raising ``exc``."""
+def initialized(level, adam=True):
+    """``Tiny`` (seed 0) and AdamW (or SGD), through ``initialize`` at ``level``."""
     torch.manual_seed(0)
     model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
-    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3) if adam
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    return ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+
+
+def run(level, drop=None, where=None, exc=Dropped):
+    """Train on ``batches()``; batch ``drop`` is dropped at ``where`` by raising ``exc``."""
+    model, opt = initialized(level)
     for i, (x, y) in enumerate(batches()):
         opt.zero_grad()
         if i != drop:
@@ -94,10 +100,7 @@ def test_dropped_batch_equals_a_run_that_never_saw_it(level, where):
 
 
 def run_without(level, skip):
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
-    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    model, opt = initialized(level)
     for i, (x, y) in enumerate(batches()):
         if i == skip:
             model(x)  # the dropped batch's forward ran (no buffers here, so no effect)
@@ -147,10 +150,7 @@ def test_dropped_batch_matches_torch_grad_scaler(where):
 def test_dropped_batch_without_zero_grad_accumulates_like_grad_scaler():
     """No zero_grad after the drop: its (still scaled) gradients add to the next batch's,
     unscaled once, as GradScaler's do; never applied as if they were clean."""
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = ampkit.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = initialized("O2", adam=False)
     ref = Tiny()
     ref.load_state_dict(model.state_dict())
     (x1, y1), (x2, y2) = batches(2)
@@ -173,10 +173,7 @@ def test_dropped_batch_without_zero_grad_accumulates_like_grad_scaler():
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O5"])
 def test_nested_scale_loss_on_one_optimizer_is_refused(level):
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    model, opt = initialized(level, adam=False)
     x, y = batches(1)[0]
     with pytest.raises(RuntimeError, match="already inside an enclosing `with ampkit.scale_loss"):
         with ampkit.scale_loss(_loss(model, x, y), opt) as outer:
@@ -196,10 +193,7 @@ def test_nested_scale_loss_on_one_optimizer_is_refused(level):
 def test_same_optimizer_twice_in_the_list_counts_once(level):
     results = []
     for twice in (False, True):
-        torch.manual_seed(0)
-        model = Tiny()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+        model, opt = initialized(level, adam=False)
         x, y = batches(1)[0]
         with ampkit.scale_loss(_loss(model, x, y), [opt, opt] if twice else opt) as s:
             s.backward()
@@ -213,10 +207,7 @@ def test_same_optimizer_twice_in_the_list_counts_once(level):
 def test_dropped_batch_with_delayed_check_or_unscale(level, flag):
     """An overflowing batch dropped after a scale_loss(..., delay_overflow_check/delay_unscale=True)
     block: its pending check or still-scaled gradients go with zero_grad()."""
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
-    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    model, opt = initialized(level)
     for i, (x, y) in enumerate(batches()):
         opt.zero_grad()
         try:
