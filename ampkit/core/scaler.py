@@ -91,6 +91,11 @@ class LossScaler:
             self.unskipped = 0
         return False
 
+    def count_skip(self) -> None:
+        """Count a step skipped for gradients that no ``scale_loss`` scaled (a backward outside
+        it): they never carried this scale, so the scale and its streaks stay as they are."""
+        self.skipped_steps += 1
+
     def snapshot(self) -> tuple:
         """Everything :meth:`update` changes, for :meth:`restore`."""
         return (self.scale, self.unskipped, self.consecutive_overflows, self.skipped_steps)

@@ -251,17 +251,23 @@ class OptimizerState:
             self.skip = check.loss_id
 
     def finish_backward(self) -> None:
-        """Before ``step``: unscale a window still scaled, adopt half gradients made outside
-        ``scale_loss`` (masters), and resolve the pending overflow checks."""
+        """Before ``step``: unscale a window still scaled, check gradients made outside
+        ``scale_loss`` (adopting half ones into the masters), and resolve the pending
+        overflow checks."""
+        unchecked = self.stage is Stage.READY  # no scale_loss since the last step: a plain backward's
         if self.scaled_by is not None:
             scaler = self.scaled_by
             window = [st for st in self.window if st.scaled_by is scaler]
             check = OverflowCheck(self.run, scaler, window)
             for st in window:
                 st.unscale(check, 1.0 / scaler.loss_scale())
+        check = OverflowCheck(self.run, None, [self])
         if self.masters and any(p.grad is not None for p in self.masters):
-            check = OverflowCheck(self.run, None, [self])
             self._move_half_grads(1.0, check.found_inf)
+        if unchecked:  # one fused pass over the rest, only then (inside scale_loss, unscale checked them)
+            plain = [_coalesced(p) for p in self.step_params() if p.grad is not None and p not in self.owner]
+            unscale_and_check_(plain, 1.0, check.found_inf)
+        if check.found_inf:
             self.pending.append(check)
         for check in self.pending:
             check.resolve()

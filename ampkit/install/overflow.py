@@ -20,7 +20,8 @@ class OverflowCheck:
         self.found_inf = {}  # device -> found-inf flag tensor
         self.done = False
         self.consumed = False  # an optimizer stepped after this check
-        self.before = self.after = None  # the scaler's state around its update
+        self.before = self.after = None  # the state of ``moved`` around its update
+        self.moved: Optional[LossScaler] = None  # the scaler this check updated (or counted a skip on)
 
     @property
     def loss_id(self) -> int:
@@ -29,8 +30,8 @@ class OverflowCheck:
     def rollback(self) -> None:
         """The batch was dropped (``zero_grad`` with no ``step``): undo the scaler update,
         unless a later check has moved the scaler since."""
-        if not self.consumed and self.after is not None and self.scaler.snapshot() == self.after:
-            self.scaler.restore(self.before)
+        if not self.consumed and self.moved is not None and self.moved.snapshot() == self.after:
+            self.moved.restore(self.before)
         self.consumed = True
 
     def resolve(self) -> bool:
@@ -43,15 +44,20 @@ class OverflowCheck:
         self.run.nonfinite = names
         pinned = self.scaler is not None and self.scaler.at_floor
         if self.scaler is not None:
-            self.before = self.scaler.snapshot()
-            self.scaler.update(overflow)
-            self.after = self.scaler.snapshot()
+            self._move(self.scaler, lambda: self.scaler.update(overflow))
             health.after_update(self.run, self.loss_id, self.scaler, names)
+        elif overflow and self.run.scalers:  # gradients no scale_loss checked: counted on loss 0, scale kept
+            self._move(self.run.scalers[0], self.run.scalers[0].count_skip)
         for st in self.states:
             st.record(self, overflow, names)
         if overflow:
             self._report(pinned)
         return overflow
+
+    def _move(self, scaler: LossScaler, update) -> None:
+        self.moved, self.before = scaler, scaler.snapshot()
+        update()
+        self.after = scaler.snapshot()
 
     def _flag(self) -> torch.Tensor:
         flags = list(self.found_inf.values())
@@ -62,7 +68,8 @@ class OverflowCheck:
     def _report(self, pinned: bool) -> None:
         run, i = self.run, self.loss_id
         if self.scaler is None:
-            run.log("Gradient overflow in gradients computed outside scale_loss. Skipping step.")
+            run.log("Gradient overflow in gradients computed outside scale_loss. Skipping step (counted in loss "
+                    "scaler 0's skipped_steps; no loss scale changes: these gradients carried none).")
         elif self.scaler.dynamic:
             run.log("Gradient overflow. Skipping step, loss scaler %d reducing loss scale to %s", i, self.scaler.loss_scale())
             if pinned and i not in run.floor_warned:
