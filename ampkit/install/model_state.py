@@ -118,9 +118,11 @@ class _Float32StateDict:
 class _MasterLoadSync:
     """Load hooks: a loaded value goes into the fp32 master exactly, not via the half copy.
 
-    ``before`` (ahead of the module's own load) records (master, loaded value) pairs for
+    ``before`` (ahead of the module's own load) records (tensor, master, loaded value) for
     the parameters it covers; ``after`` (once the module and its children are loaded)
-    copies them, so master and half parameter change together or not at all.
+    copies them, so master and half parameter change together or not at all. On a copy
+    (copies.py) the pair is then marked in sync, so that the next in-place update of the half
+    tensor (``AveragedModel.update_parameters``) is not mistaken for a stale one.
     """
 
     def __init__(self, state: ModelState):
@@ -141,17 +143,19 @@ class _MasterLoadSync:
                 if target.dim() == 0 and value.shape == (1,):  # torch loads these too (old checkpoints)
                     value = value[0]
                 if value.shape == target.shape:
-                    self.incoming.append((target, value))
+                    self.incoming.append((p, target, value))
 
     def after(self, module, incompatible_keys):
         incoming, self.incoming = self.incoming, []
         remainders = getattr(self.state, "remainders", {})
         with torch.no_grad():
-            for target, value in incoming:
+            for p, target, value in incoming:
                 if target in remainders:  # the loaded value is the fp32 master: weight and remainder
                     split_([local(target)], [remainders[target]], [local(value.detach().float())])
                 else:
                     target.copy_(value)
+                    if self.state.synced is not None:
+                        sync_one(self.state, p, target)
 
 
 class AmpModule:

@@ -181,3 +181,49 @@ def test_a_model_pickled_by_ampkit_0_2_0_before_the_redesign_still_loads():
     assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
     out = model(torch.randn(2, 4))
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("idiom", ["ema", "timm"])
+@pytest.mark.parametrize("level", ["O0", "O2", "O3", "O5", "O7", "O8", "remainder"])
+def test_a_copy_resumed_from_its_state_dict_goes_on_bit_for_bit(level, idiom):
+    """An EMA saved, loaded into a fresh copy (and into itself), then updated: every later
+    ``state_dict()`` equals the uninterrupted EMA's exactly (the first update after the load
+    used to be dropped)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kw = dict(opt_level="O5", master_weights="remainder") if level == "remainder" else dict(opt_level=level)
+    model, opt = ampkit.initialize(model, opt, verbosity=0, **kw)
+
+    def shadow():
+        if idiom == "timm":
+            return copy.deepcopy(model)
+        return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+
+    def update(ema):
+        timm_update(ema, model) if idiom == "timm" else ema.update_parameters(model)
+
+    dtype = next(model.parameters()).dtype
+    kept, resumed, reloaded = shadow(), None, None
+    for i, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        with ampkit.scale_loss(nn.functional.mse_loss(model(x.to(dtype)).float(), y), opt) as s:
+            s.backward()
+        opt.step()
+        for ema in (kept, resumed, reloaded):
+            if ema is not None:
+                update(ema)
+        if i == 1:
+            saved = copy.deepcopy(kept.state_dict())
+            resumed, reloaded = shadow(), kept
+            kept = copy.deepcopy(kept)  # the uninterrupted one goes on without any load
+            resumed.load_state_dict(saved)
+            reloaded.load_state_dict(saved)
+    want = kept.state_dict()
+    for ema in (resumed, reloaded):
+        got = ema.state_dict()
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        assert not torch.equal(got["fc2.weight" if idiom == "timm" else "module.fc2.weight"],
+                               saved["fc2.weight" if idiom == "timm" else "module.fc2.weight"])
