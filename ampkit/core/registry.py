@@ -4,7 +4,11 @@ A run lives as long as one of its models. The current run is the most recent
 ``initialize`` **with optimizers** (as Apex's amp had it); an ``initialize`` without
 optimizers (a teacher, an EMA copy) becomes it only while no training run is alive. With
 several training runs alive, calls that take no ``optimizer=`` use the most recent one
-and log a one-time warning naming it; they never raise for that.
+and log a one-time warning naming it; they never raise for that. A run kept alive only by a
+reference cycle is garbage, never current: with several training runs alive, such a call
+runs the cycle collector before choosing (a full ``gc.collect()``, tenths of a second on a
+large heap; with one training run, the common case, nothing is collected). Only
+``ampkit.autocast()``, entered every step, collects just before its first warning.
 """
 import gc
 import itertools
@@ -46,12 +50,13 @@ def _training_runs(collect: bool) -> list:
     return sorted(runs.values(), key=lambda r: r.id)
 
 
-def current(caller: str):
-    """The current run (see the module docstring); RuntimeError before any ``initialize``."""
+def current(caller: str, collect: bool = True):
+    """The current run (see the module docstring); RuntimeError before any ``initialize``.
+    ``collect=False``: with several training runs, collect garbage only before the first warning."""
     runs = _training_runs(collect=False)
-    if len(runs) > 1 and (caller, runs[-1].id) not in _warned:
+    if len(runs) > 1 and (collect or (caller, runs[-1].id) not in _warned):
         runs = _training_runs(collect=True)
-        if len(runs) > 1:
+        if len(runs) > 1 and (caller, runs[-1].id) not in _warned:
             _warned.add((caller, runs[-1].id))
             logger.warning(
                 "%s: %d training runs (initialize calls with optimizers) are alive; using the most recent, "

@@ -28,7 +28,7 @@ def autocast(enabled: bool = True):
         enabled: ``False`` makes the block a no-op (for a flag that switches mixed
             precision off without restructuring the code).
     """
-    run = registry.current("ampkit.autocast()")
+    run = registry.current("ampkit.autocast()", collect=False)  # entered every step: no collection each time
     props = run.properties
     if not (enabled and run.enabled and props.patch_torch_functions):
         yield

@@ -99,3 +99,25 @@ def test_before_any_initialize_the_error_names_the_call(monkeypatch):
     monkeypatch.setattr(registry, "_by_model", type(registry._by_model)())
     with pytest.raises(RuntimeError, match=r"ampkit.autocast\(\) was called before ampkit.initialize"):
         autocast_dtype()
+
+
+def test_a_run_kept_only_by_a_reference_cycle_is_never_current(caplog):
+    """The newer of two runs was current (and warned about); then it became garbage that only
+    the cycle collector can free: the next call without optimizer= uses the live run."""
+    old_model, old_opt = build("O2", seed=1)
+    enabled = gc.isenabled()
+    gc.disable()  # the cycle stays uncollected until ampkit looks
+    try:
+        model, opt = build("O2", seed=2)
+        with caplog.at_level(logging.WARNING, logger="ampkit"):
+            ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})
+        assert ampkit.loss_scalers(opt)[0].loss_scale() == 8.0 and any("run " in r.getMessage() for r in caplog.records)
+        loop = [model, opt]
+        loop.append(loop)
+        del model, opt, loop
+        ampkit.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 3}})
+    finally:
+        if enabled:
+            gc.enable()
+    assert ampkit.loss_scalers(old_opt)[0].loss_scale() == 1024.0
+    assert registry.current("t") is old_opt._ampkit.run
