@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
-from ..api.precision import PrecisionReport, precision_report
+from ..api.precision import PrecisionReport, html, precision_report
 
 MODELS = ("lm", "cnn")
 
@@ -38,8 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampkit report", description="Which layers of the demo models each opt level would hurt.")
     p.add_argument("--model", choices=["lm", "cnn", "both"], default="both",
                    help="lm: tiny transformer LM; cnn: small BatchNorm conv net (default: both)")
-    p.add_argument("--html", metavar="FILE", help="also write the report as an HTML page (FILE-lm.html and FILE-cnn.html "
-                                                  "for both models)")
+    p.add_argument("--html", metavar="FILE", help="also write the report as one HTML page, FILE (both models' reports "
+                                                  "on it, one after the other, for --model both)")
     return p
 
 
@@ -47,13 +47,14 @@ def main_report(argv: Optional[List[str]] = None) -> int:
     """Print the report (and its recommendation) of each chosen demo model; return the exit status."""
     args = parser().parse_args(argv)
     names = MODELS if args.model == "both" else (args.model,)
+    pages = {}
     for name in names:
         report = demo_report(name)
         rec = report.recommend()
         print(f"== {name} ==\n{report}\n\nRecommended: {rec.level}: {rec.reason}\n")
-        if args.html:
-            target = Path(args.html)
-            if len(names) > 1:
-                target = target.with_name(f"{target.stem}-{name}{target.suffix or '.html'}")
-            print(f"wrote {report.to_html(target)}")
+        pages[name] = report.to_dict()
+    if args.html:
+        target = Path(args.html)
+        target.write_text(html.render_models(pages) if len(pages) > 1 else html.render(pages[names[0]]), encoding="utf-8")
+        print(f"wrote {target}")
     return 0

@@ -1,15 +1,15 @@
 """The precision report as one self-contained HTML page, and as a PNG (with matplotlib).
 
-Both work from :meth:`PrecisionReport.to_dict`'s data. The page has inline CSS and CSS
+Both work from :meth:`PrecisionReport.to_dict`'s data (one page may hold several reports). The page has inline CSS and CSS
 bars only: no script, no image, no link to anything outside it.
 """
 from html import escape
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 CSS = """
 body { font: 13px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2330; }
-h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 22px 0 8px; }
+h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 22px 0 8px; } h3 { font-size: 15px; margin: 16px 0 6px; }
 .meta { color: #555; max-width: 1100px; }
 .rec { background: #eef6ee; border-left: 4px solid #3a8a3a; padding: 8px 12px; max-width: 1100px; }
 ul.verdicts { padding: 0; list-style: none; } ul.verdicts li { margin: 3px 0; padding: 3px 8px; border-radius: 3px; }
@@ -56,23 +56,40 @@ def _layers(data: dict) -> List[str]:
     return out + ["</tbody></table>"]
 
 
-def render(data: dict) -> str:
-    """The page, as a string."""
+def _report(data: dict, h: str) -> List[str]:
+    """One report's sections, headed by ``<h>`` tags."""
     rec = data["recommendation"]
     verdicts = "".join(f'<li class="{escape(v["status"])}">{escape(v["line"])}</li>' for v in data["verdicts"])
     legend = "".join(f'<dt>{escape(m["header"])}</dt><dd>{escape(m["text"])}; a finding above {100 * m["limit"]:.3g}%</dd>'
                      for m in data["metrics"])
-    parts = [
-        '<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8">',
-        "<title>ampkit precision report</title>", f"<style>{CSS}</style></head><body>",
-        "<h1>ampkit precision report</h1>", f'<p class="meta">{escape(data["summary"])}</p>',
-        "<h2>Recommendation</h2>", f'<p class="rec"><b>{escape(rec["level"])}</b>: {escape(rec["reason"])}</p>',
-        "<h2>Verdicts</h2>", f'<ul class="verdicts">{verdicts}</ul>',
-        "<h2>Layers, worst first</h2>",
+    return [
+        f'<p class="meta">{escape(data["summary"])}</p>',
+        f"<{h}>Recommendation</{h}>", f'<p class="rec"><b>{escape(rec["level"])}</b>: {escape(rec["reason"])}</p>',
+        f"<{h}>Verdicts</{h}>", f'<ul class="verdicts">{verdicts}</ul>',
+        f"<{h}>Layers, worst first</{h}>",
         '<p class="meta">Each bar is a share of elements; the dashed line marks the limit above which it is a finding (red).</p>',
-        *_layers(data), "<h2>Columns</h2>", f"<dl>{legend}</dl>", "</body></html>",
+        *_layers(data), f"<{h}>Columns</{h}>", f"<dl>{legend}</dl>",
     ]
-    return "\n".join(parts) + "\n"
+
+
+def _page(body: List[str]) -> str:
+    head = ['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8">',
+            "<title>ampkit precision report</title>", f"<style>{CSS}</style></head><body>",
+            "<h1>ampkit precision report</h1>"]
+    return "\n".join(head + body + ["</body></html>"]) + "\n"
+
+
+def render(data: dict) -> str:
+    """The page of one report (:meth:`PrecisionReport.to_dict`'s data), as a string."""
+    return _page(_report(data, "h2"))
+
+
+def render_models(reports: Dict[str, dict]) -> str:
+    """One page holding several reports (model name -> its ``to_dict()``), each under its name."""
+    body = []
+    for name, data in reports.items():
+        body += [f'<h2 id="{escape(name)}">{escape(name)}</h2>', *_report(data, "h3")]
+    return _page(body)
 
 
 def plot(data: dict, path: Path) -> Path:

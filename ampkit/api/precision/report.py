@@ -106,9 +106,10 @@ class PrecisionReport:
         return recommend(self._all, capabilities or self.capabilities, prefer)
 
     def to_dict(self) -> dict:
-        """Everything in the report as plain JSON-ready data."""
+        """Everything in the report as plain JSON-ready data (``json.dumps(..., allow_nan=False)``
+        accepts it): a number that is not finite, such as a NaN loss, is ``None``."""
         m = self.measurements
-        return {
+        return _json_ready({
             "summary": self._summary(), "device": self.capabilities.line(), "levels": list(self.levels),
             "optimizer": m.optimizer, "losses": list(m.losses), "applied": list(m.applied),
             "dynamic_scale": {"start": DYNAMIC_START, "settled": self.settled_scale},
@@ -118,7 +119,7 @@ class PrecisionReport:
                           "findings": [{"severity": f.severity, "metric": f.metric, "layers": list(f.layers), "text": f.text}
                                        for f in v.findings]} for v in self.verdicts.values()],
             "recommendation": self.recommend().to_dict(),
-        }
+        })
 
     def _layer(self, r: Row) -> dict:
         out = {"name": r.name, "kind": r.kind, "type": r.type, "findings": self.findings(r),
@@ -139,6 +140,30 @@ class PrecisionReport:
         return html.plot(self.to_dict(), Path(path))
 
 
+def _json_ready(data):
+    """``data`` with every non-finite float replaced by None (JSON has no NaN or infinity)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _json_ready(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_json_ready(v) for v in data]
+    return data
+
+
+def _check_model(model) -> None:
+    """An fp32 model with real weights: the report measures fp32 training and judges each level itself."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"precision_report(model=...): expected an nn.Module, got {type(model).__name__}.")
+    if any(getattr(m, "_ampkit", None) is not None for m in model.modules()):
+        raise ValueError("precision_report(model=...): this model was returned by ampkit.initialize (cast, or "
+                         "given master weights or 8-bit state); run the report on the fp32 model before initialize.")
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.device.type == "meta":
+            raise RuntimeError(f"precision_report(model=...): {name} is on the meta device; materialize the model "
+                               f"first (e.g. model.to_empty(device='cpu') and load or initialize its weights).")
+
+
 def _check_levels(levels) -> tuple:
     accepted = ", ".join(repr(k) for k in OPT_LEVELS)
     if levels is None:
@@ -154,6 +179,9 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"precision_report(optimizer=...): expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}.")
+    if getattr(optimizer, "_ampkit", None) is not None:
+        raise ValueError("precision_report(optimizer=...): this optimizer was returned by ampkit.initialize; run the "
+                         "report with the fp32 model and its optimizer before initialize.")
     own = {id(p) for p in model.parameters()}
     foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
     if foreign:
@@ -179,10 +207,10 @@ def precision_report(model: nn.Module, loss_fn: Callable, batches: Iterable, opt
     mode) and ``optimizer`` (SGD with lr 1e-3 when None); a step whose gradients are not
     finite is not applied. ``loss_fn(model, batch)`` returns a scalar loss tensor. The model,
     the optimizer and the random number generators are left exactly as they were.
-    ``levels``: the opt levels to judge (default O1-O7).
+    ``levels``: the opt levels to judge (default O1-O7). ``model`` is the fp32 model before
+    ``ampkit.initialize`` (one that went through it, or one on the meta device, is refused).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"precision_report(model=...): expected an nn.Module, got {type(model).__name__}.")
+    _check_model(model)
     if not callable(loss_fn):
         raise TypeError(f"precision_report(loss_fn=...): expected a callable loss_fn(model, batch), got {type(loss_fn).__name__}.")
     levels = _check_levels(levels)

@@ -160,6 +160,38 @@ def test_bad_input_names_the_argument(kwargs, error, message):
         precision_report(**args)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O5", "O7", "O8", "remainder"])
+def test_a_model_from_initialize_is_refused_in_one_sentence(level):
+    import ampkit
+    net = M.Net()
+    kw = {"opt_level": "O5", "master_weights": "remainder"} if level == "remainder" else {"opt_level": level}
+    model, opt = ampkit.initialize(net, torch.optim.Adam(net.parameters(), lr=1e-3), verbosity=0, **kw)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^precision_report\(model=...\): this model was returned by ampkit.initialize "
+                                         r".*; run the report on the fp32 model before initialize.$"):
+        precision_report(model, M.loss_fn, M.batches(), opt)
+    with pytest.raises(ValueError, match=r"optimizer=...\): this optimizer was returned by ampkit.initialize"):
+        precision_report(M.Net(), M.loss_fn, M.batches(), opt)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_meta_model_is_asked_to_be_materialized():
+    with torch.device("meta"):
+        net = M.Net()
+    with pytest.raises(RuntimeError, match=r"precision_report\(model=...\): \w+\.weight is on the meta device; "
+                                           r"materialize the model first"):
+        precision_report(net, M.loss_fn, M.batches())
+
+
+def test_to_dict_of_a_nan_loss_is_json_ready():
+    net = M.NanNet()
+    report = precision_report(net, M.loss_fn, M.batches(), M.adam(net), levels=["O2"])
+    assert not all(math.isfinite(x) for x in report.measurements.losses)
+    data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert [x if math.isfinite(x) else None for x in report.measurements.losses] == data["losses"]
+    assert None in data["losses"] and data["applied"] == [False, False]
+
+
 def test_text_table_is_aligned_worst_first_and_limited_to_the_levels():
     net = M.overflow_net()
     report = precision_report(net, M.loss_fn, M.batches(), M.adam(net), levels=["O2", "O5"])
@@ -204,6 +236,17 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (ampkit[bench])")
     report = precision_report(M.Net(), M.loss_fn, M.batches(1))
     assert report.plot(tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_writes_both_reports_to_the_file_named(capsys, tmp_path):
+    target = tmp_path / "rep.html"
+    assert main_report(["--html", str(target)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep.html"]
+    page = target.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.count("<html") == 1 and page.rstrip().endswith("</html>")
+    assert '<h2 id="lm">lm</h2>' in page and '<h2 id="cnn">cnn</h2>' in page
+    assert page.index('id="lm"') < page.index('id="cnn"') and page.count("<h3>Verdicts</h3>") == 2
+    assert f"wrote {target}" in capsys.readouterr().out
 
 
 def test_command_prints_the_cnn_report_and_writes_html(capsys, tmp_path):
