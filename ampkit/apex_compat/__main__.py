@@ -6,6 +6,7 @@ Under torchrun, put the runner in front of the script so every worker gets it:
 """
 import atexit
 import gc
+import importlib.util
 import os
 import runpy
 import sys
@@ -53,6 +54,10 @@ def main(argv) -> int:
         return 2
     sys.argv = list(argv)
     if module is not None:
+        missing = module_error(module)
+        if missing is not None:
+            print(f"{sys.executable}: {missing}", file=sys.stderr)  # Python's own line for `python -m`
+            return 1
         atexit.register(_release, {})  # registered before the script's handlers, so it runs after them
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
@@ -62,9 +67,24 @@ def main(argv) -> int:
     return 0
 
 
+def module_error(name: str):
+    """What ``python -m name`` says when it cannot find ``name`` (None when it can)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        return f"Error while finding module specification for {name!r} ({type(e).__name__}: {e})"
+    if spec is None:
+        return f"No module named {name}"
+    if spec.submodule_search_locations is not None and module_error(name + ".__main__") is not None:
+        return f"No module named {name}.__main__; {name!r} is a package and cannot be directly executed"
+    return None
+
+
 def run_script(path: str, module: types.ModuleType) -> None:
     """Run the script at ``path`` in ``module`` as ``__main__``, as ``runpy.run_path`` does for a
-    file, but in a module the runner keeps (runpy hands back a copy of its namespace)."""
+    file, but in a module the runner keeps (runpy hands back a copy of its namespace). Its
+    ``__file__`` is absolute, as ``python script.py`` gives it since Python 3.9."""
+    path = os.path.abspath(path)
     module.__file__ = path
     with open(path, "rb") as f:
         code = compile(f.read(), path, "exec")

@@ -258,3 +258,27 @@ def test_runner_runs_a_module_pytest_included(tmp_path):
     cmd = [sys.executable, "-m", "ampkit.apex_compat", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_uses_apex.py"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_script_gets_an_absolute_file_as_python_gives_it(tmp_path):
+    """A script run by a relative path that changes directory still finds the file beside it."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "train.py").write_text(
+        "import os\nfrom apex import amp\nprint(__file__)\nos.chdir(os.path.expanduser('~'))\n"
+        "print(open(os.path.join(os.path.dirname(__file__), 'data.txt')).read())\n")
+    (tmp_path / "sub" / "data.txt").write_text("beside")
+    proc = subprocess.run([sys.executable, "-m", "ampkit.apex_compat", os.path.join("sub", "train.py")], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [str(tmp_path / "sub" / "train.py"), "beside"]
+
+
+@pytest.mark.parametrize("name", ["no_such_module_xyz", "json", "no_such_package_xyz.sub", "json.no_such_sub"])
+def test_a_missing_module_gets_pythons_own_line(tmp_path, name):
+    ours = subprocess.run([sys.executable, "-m", "ampkit.apex_compat", "-m", name], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    python = subprocess.run([sys.executable, "-m", name], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert python.returncode == 1 and python.stderr.count("\n") == 1  # Python's one line
+    assert ours.returncode == 1 and ours.stderr.splitlines()[-1] == python.stderr.strip()
+    assert "Traceback" not in ours.stderr and ours.stdout == ""
