@@ -9,6 +9,7 @@ raises a ValueError that names it and what to use. ``FusedLAMB``, ``FusedNovoGra
 ``FusedMixedPrecisionLamb`` have no torch equivalent: creating one says so.
 """
 import torch
+from torch.optim.optimizer import required
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 __all__ = ["FusedAdam", "FusedSGD", "FusedAdagrad", "FusedLAMB", "FusedNovoGrad", "FusedMixedPrecisionLamb"]
@@ -67,14 +68,21 @@ class FusedAdam(_ApexZeroGrad, torch.optim.Adam):
 
 class FusedSGD(_ApexZeroGrad, torch.optim.SGD):
     """Apex's ``FusedSGD`` as ``torch.optim.SGD`` (weight decay before momentum, as both apply it
-    by default). ``materialize_master_grads`` changes nothing: ampkit's masters always get
-    their own fp32 gradients."""
+    by default). ``lr`` is required as in Apex, by the optimizer or by every parameter group
+    (a group added later without one raises). ``materialize_master_grads`` changes nothing:
+    ampkit's masters always get their own fp32 gradients."""
 
-    def __init__(self, params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False,
+    def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
                  wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False):
         groups, kernel = _prepared(params)
-        super().__init__(groups, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                         nesterov=nesterov, **kernel)
+        lacking = [i for i, g in enumerate(groups) if not (isinstance(g, dict) and "lr" in g)]
+        if lr is required and lacking:
+            raise ValueError(f"apex.optimizers.FusedSGD: no lr given and parameter group {lacking[0]} has none; pass "
+                             f"lr=... or an 'lr' in every parameter group.")
+        super().__init__(groups, lr=0.0 if lr is required else lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, **kernel)
+        if lr is required:  # torch's add_param_group then asks a new group for its own lr
+            self.defaults["lr"] = required
         if wd_after_momentum and any(g["weight_decay"] for g in self.param_groups):
             raise _refuse("FusedSGD", "wd_after_momentum", wd_after_momentum, "torch.optim.SGD adds weight decay "
                           "to the gradient before momentum; use wd_after_momentum=False (torch.optim.SGD)")

@@ -99,8 +99,8 @@ def test_arguments_without_torch_equivalent_are_refused(standin):
     assert FusedSGD(params, lr=0.1, wd_after_momentum=True).wd_after_momentum  # no weight decay: same update
     with pytest.raises(ValueError, match=r"FusedAdagrad\(adagrad_w_mode=True\).*torch.optim.Adagrad"):
         FusedAdagrad(params, weight_decay=0.1, adagrad_w_mode=True)
-    with pytest.raises(TypeError, match="lr"):
-        FusedSGD(params)  # Apex's FusedSGD needs lr too
+    with pytest.raises(ValueError, match="no lr given"):
+        FusedSGD(params)  # Apex's FusedSGD needs lr too (from the optimizer or from every group): a ValueError there
 
 
 def test_optimizers_without_torch_equivalent_fail_when_created(standin):
@@ -197,3 +197,26 @@ def test_applier_and_other_amp_c_ops(standin):
         amp_C.multi_tensor_adam(2048, _flag(), [[]], 1e-3)
     with pytest.raises(NotImplementedError, match="amp_C.multi_tensor_lamb .*no LAMB"):
         amp_C.multi_tensor_lamb()
+
+
+def test_fused_sgd_takes_its_lr_from_the_parameter_groups_as_apex_does(standin):
+    """Apex's signature is ``FusedSGD(params, lr=required, ...)``: per-group lr is enough."""
+    from apex.optimizers import FusedSGD
+
+    def groups(p):
+        p = list(p)
+        return [{"params": p[:2], "lr": 0.05}, {"params": p[2:], "lr": 0.01}]
+
+    _same(_trajectory(lambda p: FusedSGD(groups(p), momentum=0.9)),
+          _trajectory(lambda p: torch.optim.SGD(groups(p), momentum=0.9, fused=True)))
+    opt = FusedSGD(groups(_model().parameters()))
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.01]
+    with pytest.raises(ValueError, match=r"required optimization parameter lr"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.2})
+    assert opt.param_groups[-1]["lr"] == 0.2
+    for params in (_model().parameters(), [{"params": list(_model().parameters()), "lr": 0.1},
+                                            {"params": [torch.nn.Parameter(torch.zeros(2))]}]):
+        with pytest.raises(ValueError, match=r"FusedSGD: no lr given and parameter group \d has none; pass lr=\.\.\."):
+            FusedSGD(params, momentum=0.9)
+    assert FusedSGD(_model().parameters(), lr=0.3).param_groups[0]["lr"] == 0.3
