@@ -12,6 +12,7 @@ from typing import Dict, Iterable, List
 import torch
 from torch import nn
 
+from ..install.optimizer_wrappers import is_optimizer_like
 from ..install.shards import local
 
 
@@ -24,10 +25,29 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
     return out
 
 
+def _listed(call: str, name: str, value, accepts, what: str) -> list:
+    """``value`` (one object or a list/tuple of them) as a list; a TypeError naming the argument otherwise."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    rejected = [x for x in items if not accepts(x)]
+    if not rejected:
+        return items
+    bad = rejected[0]
+    swapped = (isinstance(bad, nn.Module) if name == "optimizers" else is_optimizer_like(bad))
+    raise TypeError(f"{call}({name}=...): expected {what} or a list of them, got {type(bad).__name__}"
+                    + (" (the arguments are models, optimizers: swapped?)." if swapped else "."))
+
+
+def _checked(call: str, models, optimizers):
+    return (_listed(call, "models", models, lambda m: isinstance(m, nn.Module), "an nn.Module"),
+            _listed(call, "optimizers", optimizers, is_optimizer_like, "an optimizer"))
+
+
 def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> Dict[str, int]:
     """Bytes by kind (``weights``, ``buffers``, ``masters``, ``optimizer_state``,
     ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
-    ``optimizer_scalars`` is the part of ``optimizer_state`` in one-element tensors."""
+    ``optimizer_scalars`` is the part of ``optimizer_state`` in one-element tensors.
+    ``models`` and ``optimizers``: one object or a list of them each (as ``initialize`` takes)."""
+    models, optimizers = _checked("persistent_bytes", models, optimizers)
     weights = [p for m in models for p in m.parameters()]
     seen = _storages(weights)
     kinds = {"weights": sum(seen.values())}
@@ -53,5 +73,9 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
 def bytes_per_param(models: List[nn.Module], optimizers: List[torch.optim.Optimizer], buffers: bool = False) -> float:
     """Persistent bytes of weights, masters, optimizer state (and ampkit's gradient buffers)
     per model parameter; model buffers only when ``buffers`` is True."""
+    models, optimizers = _checked("bytes_per_param", models, optimizers)
     b = persistent_bytes(models, optimizers)
+    if not b["params"]:
+        raise ValueError("bytes_per_param(models=...): the models hold no parameters, so there are no bytes per "
+                         "parameter; pass the models the optimizers train.")
     return (b["total"] - (0 if buffers else b["buffers"])) / b["params"]

@@ -51,3 +51,21 @@ def test_o8_adamw_stays_under_4_1_bytes_per_parameter():
     assert (got["params"], got["weights"], got["masters"], got["grad_buffers"]) == (n, 2 * n, 0, 0)
     assert got["optimizer_state"] == 2 * n + 2 * 4 * blocks + 4 * len(params)  # codes, scales, steps
     assert bytes_per_param([model], [opt]) <= 4.1
+
+
+def test_one_model_and_one_optimizer_count_as_lists_and_bad_arguments_are_named():
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert persistent_bytes(model, opt) == persistent_bytes([model], [opt]) == persistent_bytes((model,), (opt,))
+    assert persistent_bytes(model, opt)["weights"] == 4 * (4 * 3 + 3)
+    with pytest.raises(TypeError, match=r"^persistent_bytes\(models=...\): expected an nn.Module or a list of them, got "
+                                        r"SGD \(the arguments are models, optimizers: swapped\?\)\.$"):
+        persistent_bytes([opt], [model])
+    with pytest.raises(TypeError, match=r"^persistent_bytes\(optimizers=...\): expected an optimizer or a list of them, "
+                                        r"got Linear \(the arguments are models, optimizers: swapped\?\)\.$"):
+        persistent_bytes([model], model)
+    with pytest.raises(TypeError, match=r"^bytes_per_param\(models=...\): expected an nn.Module or a list of them, got str\.$"):
+        bytes_per_param("model", [opt])
+    with pytest.raises(ValueError, match=r"^bytes_per_param\(models=...\): the models hold no parameters"):
+        bytes_per_param([nn.ReLU()], [])
+    assert persistent_bytes([nn.ReLU()], [])["params"] == 0

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit import checkpoint
+from ampkit import checkpoint, footprint
 from ampkit.checkpoint import CheckpointError
 
 from ._harness import LOSSES, Tiny, all_finite, assert_unchanged, diff, fixed_batch, make, snapshot
@@ -191,6 +191,12 @@ def open_window():
 
 def skipped_once(e):
     assert e.opt._ampkit.run.scalers[0].skipped_steps == 1
+
+
+def plain_nan_backward_then_step(e):
+    """``loss.backward()`` outside scale_loss (a framework loop) on a NaN batch, then ``step()``."""
+    nan_loss(e).backward()
+    e.opt.step()
 
 
 def nested_scale_loss(e):
@@ -387,6 +393,19 @@ TABLE = [
         "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
     Row("optimizer.step()", "before any backward, O5", lambda: init("O5", "adamw"), lambda e: e.opt.step(), None,
         "no exception: nothing to apply, nothing changes (Apex crashed here)", where="optimizer"),
+    *[Row("optimizer.step()", f"after a plain loss.backward() with NaN, {level}", lambda level=level: init(level, "adamw", verbosity=1),
+          plain_nan_backward_then_step, None, "no exception: the step is skipped, logged as a gradient overflow outside "
+          "scale_loss", check=skipped_once, where="optimizer") for level in ("O0", "O4", "O7", "O8")],
+    Row("models", "the optimizer (arguments swapped)", lambda: init("O2"),
+        lambda e: footprint.persistent_bytes(e.opt, e.model), TypeError, "persistent_bytes(models=...): expected an "
+        "nn.Module or a list of them, got SGD (the arguments are models, optimizers: swapped?)",
+        where="ampkit.footprint.persistent_bytes"),
+    Row("optimizers", "None", lambda: init("O2"), lambda e: footprint.persistent_bytes(e.model, None), TypeError,
+        "persistent_bytes(optimizers=...): expected an optimizer or a list of them, got NoneType",
+        where="ampkit.footprint.persistent_bytes"),
+    Row("models", "a model without parameters", lambda: init("O2"),
+        lambda e: footprint.bytes_per_param([nn.ReLU()], [e.opt]), ValueError,
+        "bytes_per_param(models=...): the models hold no parameters", where="ampkit.footprint.bytes_per_param"),
     Row("closure", "lambda: loss", lambda: init("O2"), lambda e: e.opt.step(lambda: mse(e)), RuntimeError,
         "optimizer.step(closure): closures are not supported by ampkit", where="optimizer"),
     Row("model", "model.float() after initialize (O2), then forward", cast_after_initialize,
