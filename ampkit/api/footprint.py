@@ -25,8 +25,8 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 
 def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> Dict[str, int]:
-    """Bytes by kind (``weights``, ``buffers``, ``masters``, ``optimizer_state``,
-    ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
+    """Bytes that ``models`` and ``optimizers`` keep between steps, by kind (``weights``, ``buffers``,
+    ``masters``, ``optimizer_state``, ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
     ``optimizer_scalars`` is the part of ``optimizer_state`` in one-element tensors."""
     weights = [p for m in models for p in m.parameters()]
     seen = _storages(weights)
@@ -51,7 +51,7 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
 
 
 def bytes_per_param(models: List[nn.Module], optimizers: List[torch.optim.Optimizer], buffers: bool = False) -> float:
-    """Persistent bytes of weights, masters, optimizer state (and ampkit's gradient buffers)
-    per model parameter; model buffers only when ``buffers`` is True."""
+    """Persistent bytes of the weights of ``models``, their masters, the state of ``optimizers`` (and
+    ampkit's gradient buffers) per model parameter; model buffers only when ``buffers`` is True."""
     b = persistent_bytes(models, optimizers)
     return (b["total"] - (0 if buffers else b["buffers"])) / b["params"]

@@ -37,6 +37,10 @@ def loss_scalers(optimizer=None, model=None) -> list:
 
     Read ``s.loss_scale()``, ``s.skipped_steps`` (steps skipped for an overflow in this
     loss so far) and ``s.consecutive_overflows``.
+
+    Args:
+        optimizer: the run, by its optimizer (else the current run).
+        model: the run, by its model.
     """
     return list(registry.run_of("ampkit.loss_scalers()", optimizer, model).scalers)
 
