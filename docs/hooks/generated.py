@@ -98,7 +98,7 @@ def _modules() -> list:
 
 def _layer_members(table: list) -> dict:
     """Layer name -> the names shown in its box: subpackages as ``name/``, top-level modules as ``name``."""
-    members = {name: [] for name, _ in table}
+    members, counts = {name: [] for name, _ in table}, {}
     for module in _modules():
         best, layer = -1, None
         for name, prefixes in table:
@@ -109,7 +109,8 @@ def _layer_members(table: list) -> dict:
         label = "ampkit" if len(parts) == 1 else (parts[1] + "/" if len(parts) > 2 or _is_package(parts) else parts[1])
         if layer is not None and label not in members[layer]:
             members[layer].append(label)
-    return members
+        counts[label] = counts.get(label, 0) + 1
+    return {name: [f"{m}({counts[m]})" if m.endswith("/") else m for m in ms] for name, ms in members.items()}
 
 
 def _is_package(parts) -> bool:
@@ -125,12 +126,12 @@ def layers_svg() -> str:
     height = len(rows) * (box_h + gap) - gap + 8
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="ampkit package layers" '
              f'viewBox="0 0 {width} {height}" width="100%" style="max-width:{width}px;font-family:sans-serif">',
-             "<defs><marker id='arrow' markerWidth='10' markerHeight='10' refX='5' refY='8' orient='auto'>"
-             "<path d='M0,0 L10,0 L5,9 z' fill='#555'/></marker></defs>"]
+             "<defs><marker id='arrow' markerWidth='10' markerHeight='10' refX='9' refY='5' orient='auto'>"
+             "<path d='M0,0 L10,5 L0,10 z' fill='#555'/></marker></defs>"]
     for i, (name, _) in enumerate(rows):
         y = 4 + i * (box_h + gap)
         words = " ".join(members[name])
-        lines = _wrap(words, 86)
+        lines = _wrap(words, 72)
         parts.append(f'<rect x="4" y="{y}" width="{width - 8}" height="{box_h}" rx="6" fill="#eef0fb" stroke="#3f51b5"/>')
         parts.append(f'<text x="16" y="{y + 22}" font-size="16" font-weight="bold" fill="#283593">{html.escape(name)}</text>')
         for j, line in enumerate(lines[:2]):
@@ -140,7 +141,7 @@ def layers_svg() -> str:
             parts.append(f'<line x1="{width / 2}" y1="{y + box_h}" x2="{width / 2}" y2="{y + box_h + gap - 4}" '
                          f'stroke="#555" stroke-width="2" marker-end="url(#arrow)"/>')
     parts.append("</svg>")
-    return "".join(parts)
+    return '<div class="ampkit-layers">\n' + "".join(parts) + "\n</div>"  # a raw HTML block: markdown leaves it alone
 
 
 def _wrap(text: str, width: int) -> list:
@@ -176,8 +177,16 @@ def bench_figures() -> str:
             if not rows:
                 continue
             keys = [k for k in rows[0] if not isinstance(rows[0][k], (list, dict))]
-            out += [f"**{family}** (the JSON's rows)", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            keys = [k for k in ("model", "level") if k in keys] + [k for k in keys if k not in ("model", "level")]
+            sizes = f", sizes: {result['sizes']}" if result.get("sizes") else ""
+            wall = f", {result['wall_s']:.0f} s" if isinstance(result.get("wall_s"), (int, float)) else ""
+            out += [f"**{family}** (the JSON's rows{sizes}{wall})", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             out += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+            shapes = "; ".join(f"{m}: `{result[m]}`" for m in ("lm", "cnn") if result.get(m))
+            out += ["", f"Models: {shapes}." if shapes else "", ""]
+        if data.get("targets"):
+            out += ["**targets** (as the script judged them)", "", "| target | measured | met |", "|---|---|---|"]
+            out += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in data["targets"]]
             out.append("")
     return "\n".join(out) if out else "No results are committed yet."
 
