@@ -451,12 +451,13 @@ def install_hint(extra: str) -> str:
     return f"pip install '{extra}'"
 
 
-def advice(report: Callable = None) -> dict:
-    """The precision report of the demo LM (run in a worker): its speed and memory recommendations."""
+def advice(device: str = "cpu", report: Optional[Callable] = None) -> dict:
+    """The precision report of the demo LM (measured on the CPU, in a worker): its speed and memory
+    recommendations for ``device``'s capabilities. ``report`` is the worker's progress hook (unused)."""
     from .report import demo_report
 
-    found = demo_report("lm")
-    speed, memory = found.recommend(), found.recommend("memory")
+    found, caps = demo_report("lm"), ampkit.capabilities(device)
+    speed, memory = found.recommend(capabilities=caps), found.recommend("memory", capabilities=caps)
     return {"level": speed.level, "reason": speed.reason, "memory_level": memory.level, "memory_reason": memory.reason}
 
 
@@ -512,7 +513,7 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
           f"torch {info['torch']})", flush=True)
     print("\n".join(describe(caps)), flush=True)
     scale, times, threads = 1.0, None, 0
-    found = isolated(advice)  # before the probe, so its seconds come out of the training budget
+    found = isolated(advice, str(dev))  # before the probe, so its seconds come out of the training budget
     if steps is None:
         load = info["load_average"]
         if dev.type == "cpu" and load is not None and info["threads"] > 1 and load >= info["cores"]:
