@@ -822,7 +822,7 @@ def finish(text: str, info: dict, args, started: float, results: dict, targets) 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="ampkit benchmarks (see BENCHMARKS.md)")
+    p = argparse.ArgumentParser(description="ampkit benchmarks (see docs/benchmarks/)")
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run, not valid for the targets")
     p.add_argument("--json", metavar="PATH", help="write machine, config and results as JSON")
     p.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")

@@ -43,8 +43,8 @@ def _checked(call: str, models, optimizers):
 
 
 def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> Dict[str, int]:
-    """Bytes by kind (``weights``, ``buffers``, ``masters``, ``optimizer_state``,
-    ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
+    """Bytes that ``models`` and ``optimizers`` keep between steps, by kind (``weights``, ``buffers``,
+    ``masters``, ``optimizer_state``, ``grad_buffers``) and ``total``; ``params`` is the number of model parameters;
     ``optimizer_scalars`` is the part of ``optimizer_state`` in one-element tensors.
     ``models`` and ``optimizers``: one object or a list of them each (as ``initialize`` takes)."""
     models, optimizers = _checked("persistent_bytes", models, optimizers)
@@ -71,8 +71,9 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
 
 
 def bytes_per_param(models: List[nn.Module], optimizers: List[torch.optim.Optimizer], buffers: bool = False) -> float:
-    """Persistent bytes of weights, masters, optimizer state (and ampkit's gradient buffers)
-    per model parameter; model buffers only when ``buffers`` is True."""
+    """Persistent bytes of the weights of ``models``, their masters, the state of ``optimizers`` (and
+    ampkit's gradient buffers) per model parameter; model buffers only when ``buffers`` is True.
+    ``models`` and ``optimizers``: one object or a list of them each."""
     models, optimizers = _checked("bytes_per_param", models, optimizers)
     b = persistent_bytes(models, optimizers)
     if not b["params"]:

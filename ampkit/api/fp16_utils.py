@@ -87,7 +87,7 @@ class FP16Model(nn.Module):
 
 
 def prep_param_lists(model: nn.Module, flat_master: bool = False):
-    """``(model_params, master_params)``: the trainable parameters and fp32 copies of them.
+    """``(model_params, master_params)``: the trainable parameters of ``model`` and fp32 copies of them.
 
     With ``flat_master=True`` the masters are one flat fp32 parameter (with a zero gradient).
     """
@@ -129,8 +129,8 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
 
 
 def master_params_to_model_params(model_params, master_params, flat_master: bool = False) -> None:
-    """Copy the masters' values into the model's parameters (arguments as in
-    :func:`model_grads_to_master_grads`)."""
+    """Copy the values of ``master_params`` into ``model_params`` (``flat_master``: the masters are
+    one flat tensor, as :func:`prep_param_lists` made them)."""
     if flat_master:
         masters = _unflatten_dense_tensors(master_params[0].detach(), model_params)
     else:

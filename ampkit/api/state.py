@@ -14,7 +14,8 @@ def state_dict(destination=None, optimizer=None, model=None) -> dict:
 
     Args:
         destination: a dict to fill (and return) instead of a new one.
-        optimizer, model: the run whose scalers are meant (else the current run).
+        optimizer: the run whose scalers are meant, by its optimizer (else the current run).
+        model: the run whose scalers are meant, by its model.
     """
     return registry.run_of("ampkit.state_dict()", optimizer, model).state_dict(destination)
 
@@ -25,7 +26,8 @@ def load_state_dict(state: dict, optimizer=None, model=None) -> None:
     Args:
         state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` with one
             entry per loss of the run; checked whole before anything loads.
-        optimizer, model: choose the run as in :func:`state_dict`.
+        optimizer: choose the run by its optimizer, as in :func:`state_dict`.
+        model: choose the run by its model.
     """
     registry.run_of("ampkit.load_state_dict()", optimizer, model).load_state_dict(state, "ampkit.load_state_dict")
 
@@ -35,6 +37,10 @@ def loss_scalers(optimizer=None, model=None) -> list:
 
     Read ``s.loss_scale()``, ``s.skipped_steps`` (steps skipped for an overflow in this
     loss so far) and ``s.consecutive_overflows``.
+
+    Args:
+        optimizer: the run, by its optimizer (else the current run).
+        model: the run, by its model.
     """
     return list(registry.run_of("ampkit.loss_scalers()", optimizer, model).scalers)
 

@@ -10,21 +10,27 @@ runs N steps at full size instead.
 Each (model, level) run trains in its own fresh process (forked from a server that has
 already imported torch), so its peak memory is its own: the resident-set high-water
 mark above the process's resident set just before the model was built (on CUDA: the
-peak of ``torch.cuda.max_memory_allocated``). Steps/s leaves out the first step
-(kernel selection and one-time allocations). Every level starts from the same seeded
-weights and sees the same batches.
+peak of ``torch.cuda.max_memory_allocated``). Steps/s is the median of steps 2..N (the
+first step selects kernels and allocates once); a ratio inside the runs' step-to-step
+spread is marked as noise. Every level starts from the same seeded weights and sees the
+same batches; a held-out batch of the same data is scored before and after training.
+The demo ends with the level it recommends for this machine and why: what the device does
+natively (:func:`ampkit.capabilities`) and the precision report of the demo LM.
 """
 import dataclasses
 import itertools
+import math
 import json
 import logging
 import multiprocessing
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -133,9 +139,28 @@ def _lm_shape(scale: float) -> LMConfig:
 
 
 def _batches(model_name: str, scale: float = 1.0):
+    """(8 training batches, 1 held-out batch) of the same seeded data."""
     if model_name == "lm":
-        return lm_batches(_lm_shape(scale), 8)
-    return image_batches(8, _batch_size("cnn", scale), DEMO_CNN["size"])
+        batches = lm_batches(_lm_shape(scale), 9)
+    else:
+        batches = image_batches(9, _batch_size("cnn", scale), DEMO_CNN["size"])
+    return batches[:-1], batches[-1]
+
+
+def heldout_loss(model, loss_fn, batch) -> float:
+    """The loss on the held-out batch, without gradients (BatchNorm in train mode uses the batch's
+    statistics, as in training; its running statistics are never read in training)."""
+    with torch.no_grad():
+        return float(loss_fn(model(batch[0]), batch[1]))
+
+
+def step_spread(seconds: List[float]) -> float:
+    """How much the step times vary, relative to their median: the interquartile range (the range
+    for fewer than 4 steps), over the median."""
+    if len(seconds) < 2:
+        return math.inf
+    q = statistics.quantiles(seconds, n=4) if len(seconds) >= 4 else [min(seconds), 0, max(seconds)]
+    return (q[2] - q[0]) / statistics.median(seconds)
 
 
 def _size(model_name: str, scale: float) -> str:
@@ -186,27 +211,30 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: f
     if threads > 0:
         torch.set_num_threads(threads)
     dev = torch.device(device)
-    batches = [(x.to(dev), y.to(dev)) for x, y in _batches(model_name, scale)]
+    train_batches, heldout = _batches(model_name, scale)
+    batches = [(x.to(dev), y.to(dev)) for x, y in train_batches]
+    heldout = (heldout[0].to(dev), heldout[1].to(dev))
     if getattr(ampkit.OPT_LEVELS.get(level), "fp8", False):  # an unknown level fails in initialize
         _import_torchao()  # before the meter: torchao's code is not the run's memory
     meter = MemoryMeter(dev)
     model, optimizer, loss_fn = _model(model_name)
     model, optimizer = ampkit.initialize(model.to(dev), optimizer, opt_level=level, verbosity=0)
-    losses, start = [], time.perf_counter()
+    heldout_first = heldout_loss(model, loss_fn, heldout)
+    losses, seconds = [], []
     for step, (x, y) in zip(range(steps), itertools.cycle(batches)):
-        if step == 1:
-            _sync(dev)
-            start = time.perf_counter()
+        _sync(dev)
+        start = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         with ampkit.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
         optimizer.step()
         losses.append(loss.detach())
+        _sync(dev)
+        seconds.append(time.perf_counter() - start)
         if report is not None:
             report(step + 1)
-    _sync(dev)
-    seconds = time.perf_counter() - start
+    timed = seconds[1:] or seconds  # the first step selects kernels and allocates once
     scaler = ampkit.loss_scalers(optimizer)[0]
     props = optimizer._ampkit.run.properties
     losses = torch.stack(losses).float().tolist()
@@ -218,10 +246,14 @@ def train(model_name: str, level: str, steps: int, device: str = "cpu", scale: f
         "compute": SHORT[props.half_dtype] if props.patch_torch_functions else _dtypes(model.parameters()).split("+")[0],
         "masters": "fp32" if optimizer._ampkit.masters else "-",
         "bytes_per_param": bytes_per_param([model], [optimizer]),
-        "steps_per_s": max(steps - 1, 1) / seconds,
+        "steps_per_s": 1 / statistics.median(timed),
+        "step_spread": step_spread(timed),
         "peak_mib": meter.peak_mib(),
         "first_loss": losses[0],
         "final_loss": losses[-1],
+        "heldout_first": heldout_first,
+        "heldout_final": heldout_loss(model, loss_fn, heldout),
+        "steps": steps,
         "skipped_steps": scaler.skipped_steps,
         "loss_scale": scaler.loss_scale(),
     }
@@ -278,7 +310,33 @@ def run(levels=LEVELS, steps: int = 30, models=MODELS, device: str = "auto", pro
     for row in rows:
         base = next((r for r in rows if r["model"] == row["model"] and r["level"] == "O0"), None)
         row["speedup"] = row["steps_per_s"] / base["steps_per_s"] if base else None
+        row["noise"] = base is not None and row is not base and within_noise(row, base)
+        row["note"] = note(row["level"], dev)
     return rows
+
+
+def within_noise(row: dict, base: dict) -> bool:
+    """Whether ``row``'s speed ratio to ``base`` lies inside the two runs' step-to-step spread."""
+    return abs(math.log(row["speedup"])) <= max(row["step_spread"], base["step_spread"])
+
+
+def note(level: str, device: torch.device) -> str:
+    """Why a level's memory and speed look as they do, from its properties."""
+    props = ampkit.OPT_LEVELS[level]
+    if props.optimizer_state_dtype == "8bit":
+        return "8-bit optimizer state; each step widens it and the weights to fp32: a higher peak here"
+    if props.update_rounding:
+        return "no masters; each step updates fp32 copies, rounded back stochastically: a higher peak"
+    if props.fp8:
+        native = ampkit.capabilities(device).levels.get(level, "")
+        return "O5 + fp8 matmuls" + ("" if "speed" in native else " (emulated on this device: slower)")
+    if props.master_weights:
+        return "half model + fp32 master weights"
+    if props.patch_torch_functions:
+        return "autocast: fp32 weights, half matmuls"
+    if props.cast_model_type is not None and props.half_dtype is not None:
+        return "pure half: no masters, no loss scaling"
+    return "the fp32 reference"
 
 
 # --- sizing the default demo to the machine ---------------------------------------------
@@ -354,15 +412,25 @@ COLUMNS = [
     ("model", "model", "{}"), ("level", "level", "{}"), ("weights", "weights", "{}"),
     ("compute", "compute", "{}"), ("masters", "masters", "{}"),
     ("bytes/param", "bytes_per_param", "{:.1f}"), ("steps/s", "steps_per_s", "{:.1f}"),
-    ("vs O0", "speedup", "{:.2f}x"), ("peak MiB", "peak_mib", "{:.0f}"), ("first loss", "first_loss", "{:.3f}"),
-    ("final loss", "final_loss", "{:.3f}"), ("skipped", "skipped_steps", "{}"), ("loss scale", "loss_scale", "{:g}"),
+    ("vs O0", "speedup", "{:.2f}x"), ("peak MiB", "peak_mib", "{:.0f}"),
+    ("held-out loss", "heldout_first", "{:.3f}"), ("skipped", "skipped_steps", "{}"), ("loss scale", "loss_scale", "{:g}"),
+    ("note", "note", "{}"),
 ]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    if row.get(key) is None:
+        return "-"
+    if key == "heldout_first":  # before -> after training
+        return f"{row['heldout_first']:.3f} -> {row['heldout_final']:.3f}"
+    text = fmt.format(row[key])
+    return "~" + text if key == "speedup" and row.get("noise") else text
 
 
 def format_table(rows: List[dict]) -> str:
     head = [c[0] for c in COLUMNS]
-    body = [["-" if r[key] is None else fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in rows]
-    return text_table.format_table(head, body, left=5)
+    body = [[_cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows]
+    return text_table.format_table(head, body, left=len(head))
 
 
 def _installed(levels):
@@ -371,8 +439,62 @@ def _installed(levels):
 
     missing = [lvl for lvl in levels if ampkit.OPT_LEVELS[lvl].fp8 and not float8.available()]
     if missing:
-        print(f"left out {', '.join(missing)}: fp8 needs torchao (pip install '{float8.EXTRA}')", flush=True)
+        print(f"left out {', '.join(missing)}: fp8 needs torchao ({install_hint(float8.EXTRA)})", flush=True)
     return [lvl for lvl in levels if lvl not in missing]
+
+
+def install_hint(extra: str) -> str:
+    """The pip command for ``extra`` (``"ampkit[fp8]"``): ``-e ".[fp8]"`` where ampkit runs from a checkout."""
+    checkout = Path(ampkit.__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "ampkit" / "__init__.py").is_file():
+        return f'from this checkout: pip install -e ".[{extra.split("[", 1)[1]}"'
+    return f"pip install '{extra}'"
+
+
+def advice(device: str = "cpu", report: Optional[Callable] = None) -> dict:
+    """The precision report of the demo LM (measured on the CPU, in a worker): its speed and memory
+    recommendations for ``device``'s capabilities. ``report`` is the worker's progress hook (unused)."""
+    from .report import demo_report
+
+    found, caps = demo_report("lm"), ampkit.capabilities(device)
+    speed, memory = found.recommend(capabilities=caps), found.recommend("memory", capabilities=caps)
+    return {"level": speed.level, "reason": speed.reason, "memory_level": memory.level, "memory_reason": memory.reason}
+
+
+def caveats(rows: List[dict], info: dict, device: torch.device) -> List[str]:
+    """What the table can be trusted for on this machine, in plain words: speed noise, a busy machine, a
+    held-out loss that did not fall."""
+    spread = max((r["step_spread"] for r in rows), default=0.0)
+    lines = []
+    if any(r["noise"] for r in rows):
+        lines.append(f"~: the ratio is inside the step-to-step spread of the two runs (up to {min(spread, 9.99):.0%} "
+                     f"of a step here): too close to call on this machine.")
+    load = info.get("load_average")
+    if device.type == "cpu" and load is not None and load >= info["cores"]:
+        lines.append(f"The machine was busy (load average {load:.1f} on {info['cores']} cores): the speed column is "
+                     f"noise-level here, and a second run may rank the levels differently.")
+    stalled = sorted({r["model"] for r in rows if r["heldout_final"] >= r["heldout_first"]})
+    if stalled:
+        lines.append(f"The held-out loss of {' and '.join(stalled)} did not fall in {rows[0]['steps']} steps at this batch: "
+                     f"too few to learn from; --steps 30 trains long enough (it takes longer).")
+    return lines
+
+
+def recommendation(rows: List[dict], found: dict) -> List[str]:
+    """The closing lines: one level for this machine, why, and what this run measured of it."""
+    level = found["level"]
+    lines = [f"Recommended here: {level}. {found['reason']}"]
+    for row in (r for r in rows if r["level"] == level and r["speedup"] is not None and level != "O0"):
+        speed = "within the noise of" if row["noise"] else ("faster than" if row["speedup"] > 1 else "slower than")
+        lines.append(f"  Measured in this run ({row['model']}): {row['speedup']:.2f}x O0's steps/s ({speed} O0), "
+                     f"{row['bytes_per_param']:.1f} bytes/param.")
+    memory = found["memory_level"]
+    kept = {r["level"]: r["bytes_per_param"] for r in rows if r["model"] == rows[0]["model"]}
+    least = min(kept, key=kept.get) if kept else None
+    if least and least != level:
+        lines.append(f"  For the least memory: {least} keeps {kept[least]:.1f} bytes/param here "
+                     f"(the precision report judges O1-O7; its memory pick is {memory}).")
+    return lines
 
 
 def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str = "auto",
@@ -391,6 +513,7 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
           f"torch {info['torch']})", flush=True)
     print("\n".join(describe(caps)), flush=True)
     scale, times, threads = 1.0, None, 0
+    found = isolated(advice, str(dev))  # before the probe, so its seconds come out of the training budget
     if steps is None:
         load = info["load_average"]
         if dev.type == "cpu" and load is not None and info["threads"] > 1 and load >= info["cores"]:
@@ -407,11 +530,16 @@ def main(levels=LEVELS, steps: Optional[int] = None, models=MODELS, device: str 
     memory = "peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS of the run's own process above its RSS before the model was built"
     print()
     print(format_table(rows))
-    print(f"\nsteps/s: steps 2..{steps} (the first step is warm-up); peak MiB: {memory}; bytes/param: weights, "
-          f"master weights and optimizer state (SGD momentum) after the run, measured from their storages.")
+    print(f"\nsteps/s: the median of steps 2..{steps} (the first step is warm-up); peak MiB: {memory}; bytes/param: "
+          f"weights, master weights and optimizer state (SGD momentum) after the run, measured from their storages; "
+          f"held-out loss: a batch the run never trains on, before -> after training.")
+    print("\n".join(caveats(rows, info, dev)))
+    print()
+    print("\n".join(recommendation(rows, found)), flush=True)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"machine": info, "capabilities": dataclasses.asdict(caps), "steps": steps, "batch_scale": scale,
-                       "threads_per_run": threads or info["threads"], "probe": times, "rows": rows}, f, indent=2)
+                       "threads_per_run": threads or info["threads"], "probe": times, "recommendation": found,
+                       "rows": rows}, f, indent=2)
         print(f"wrote {json_path}")
     return rows

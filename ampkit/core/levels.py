@@ -331,12 +331,25 @@ def _resolve_update(level: str, final: Properties, applied: dict) -> Tuple[Prope
     return final, notes
 
 
+def table_rows() -> Tuple[List[str], List[List[str]]]:
+    """``(column names, rows)`` of the property table: what ``ampkit levels`` and the docs show."""
+    names = ["level"] + list(OVERRIDES)
+    return names, [[lvl] + [_show(getattr(p, n)) for n in OVERRIDES] for lvl, p in OPT_LEVELS.items()]
+
+
 def format_table() -> str:
     """The property table as aligned text (what ``ampkit levels`` prints)."""
-    names = ["level"] + list(OVERRIDES)
-    rows = [[lvl] + [_show(getattr(p, n)) for n in OVERRIDES] for lvl, p in OPT_LEVELS.items()]
+    names, rows = table_rows()
     briefs = [f"{lvl}: {BRIEF[lvl]}" for lvl in OPT_LEVELS]
     return "\n".join([text_table.format_table(names, rows, left=len(names)), ""] + briefs)
+
+
+def markdown_table() -> str:
+    """The same table as markdown, each level's one-line description below it (README, docs)."""
+    names, rows = table_rows()
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines + [""] + [f"- **{lvl}**: {BRIEF[lvl]}" for lvl in OPT_LEVELS])
 
 
 def _show(value) -> str:

@@ -40,9 +40,9 @@ def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[tor
 
 
 def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], generator: Optional[torch.Generator] = None) -> None:
-    """``round_to_bf16_`` for lists of tensors on one device, with one generator call, as one
-    flat run of their elements (the same result as rounding their concatenation); ``srcs``
-    are used as scratch (their values may be lost)."""
+    """``round_to_bf16_`` of each fp32 ``srcs[i]`` into the bf16 ``dsts[i]``, for tensors on one device,
+    with one generator call, as one flat run of their elements (the same result as rounding their
+    concatenation); ``srcs`` are used as scratch (their values may be lost)."""
     for d, s in zip(dsts, srcs):
         if s.dtype != torch.float32 or d.dtype != torch.bfloat16:
             raise TypeError(f"round_to_bf16_: expected a bfloat16 dst and a float32 src, got {d.dtype} and {s.dtype}.")

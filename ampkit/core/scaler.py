@@ -32,10 +32,11 @@ class LossScaler:
     Args:
         loss_scale: ``"dynamic"`` or a static positive scale.
         init_scale: the first scale of a dynamic scaler.
-        growth_factor, backoff_factor, growth_interval: a dynamic scale is multiplied by
-            ``growth_factor`` after ``growth_interval`` clean steps in a row, and by
-            ``backoff_factor`` on overflow.
-        min_loss_scale, max_loss_scale: bounds of the dynamic scale.
+        growth_factor: a dynamic scale is multiplied by it after ``growth_interval`` clean steps in a row.
+        backoff_factor: a dynamic scale is multiplied by it on overflow.
+        growth_interval: clean steps in a row before a dynamic scale grows.
+        min_loss_scale: lower bound of the dynamic scale.
+        max_loss_scale: upper bound of the dynamic scale.
         hysteresis: consecutive overflows needed before the scale backs off.
     """
 

@@ -115,12 +115,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             buckets are ready (reported with a NoEffectWarning).
         retain_allreduce_buffers: gradients become views into the bucket buffers.
         allreduce_always_fp32: reduce half buckets in float32.
-        num_allreduce_streams, allreduce_communicators: several reduction streams (CUDA;
-            ``allreduce_communicators=(process_groups, streams)``).
+        num_allreduce_streams: several reduction streams (CUDA).
+        allreduce_communicators: ``(process_groups, streams)`` for those streams (CUDA).
         gradient_average: divide the summed gradients by the world size.
         gradient_predivide_factor: divide by this before the sum, multiply after.
-        gradient_average_split_factor, prof: accepted for Apex compatibility, no effect
-            (NoEffectWarning).
+        gradient_average_split_factor: accepted for Apex compatibility, no effect (NoEffectWarning).
+        prof: accepted for Apex compatibility, no effect (NoEffectWarning).
         shared_param: removed in Apex; refused with the replacement to use.
     """
 

@@ -91,7 +91,11 @@ class SyncBatchNorm(_BatchNorm):
     memory format is accepted.
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
+        num_features: as ``nn.BatchNorm2d``.
+        eps: as ``nn.BatchNorm2d``.
+        momentum: as ``nn.BatchNorm2d``.
+        affine: as ``nn.BatchNorm2d``.
+        track_running_stats: as ``nn.BatchNorm2d``.
         process_group: the ranks whose statistics are combined (default: all).
         channel_last: compute and return channels-last activations.
     """

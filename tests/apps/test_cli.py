@@ -51,7 +51,7 @@ def test_demo_table_and_json(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert cli.main(["demo", "--steps", "3", "--levels", "O0,O2,O5", "--device", "cpu", "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "steps/s" in out and "final loss" in out and "loss scale" in out
+    assert "steps/s" in out and "held-out loss" in out and "loss scale" in out and "Recommended here: O" in out
     data = json.loads(path.read_text())
     assert data["machine"]["torch"] and data["machine"]["cores"] >= 1 and data["steps"] == 3
     rows = {(r["model"], r["level"]): r for r in data["rows"]}

@@ -1,8 +1,10 @@
 """The demo's sizing to the machine (probe -> plan) and what it says about half precision."""
 import importlib
 import json
+import math
 
 import pytest
+import torch
 
 import ampkit
 from ampkit.apps import demo
@@ -80,7 +82,7 @@ def test_default_demo_probes_then_runs(tmp_path, capsys):
     path = tmp_path / "demo.json"
     rows = demo.main(levels=("O0", "O5"), models=("cnn",), device="cpu", json_path=str(path))
     out = capsys.readouterr().out
-    assert out.index("This machine:") < out.index("Speed probe") < out.index("final loss")
+    assert out.index("This machine:") < out.index("Speed probe") < out.index("held-out loss") < out.index("Recommended here: O")
     data = json.loads(path.read_text())
     assert set(data["probe"]) == {"cnn O0", "cnn O5"} and all(f > 0 and s > 0 for f, s in data["probe"].values())
     assert 3 <= data["steps"] <= demo.MAX_STEPS and data["batch_scale"] in demo.SCALES
@@ -94,3 +96,58 @@ def test_lm_shape_shrinks_sequences_after_the_batch():
     assert (demo._lm_shape(1 / 8).batch, demo._lm_shape(1 / 8).seq_len) == (2, 64)
     assert (demo._lm_shape(1 / 32).batch, demo._lm_shape(1 / 32).seq_len) == (2, 16)
     assert demo._size("lm", 1 / 16) == "2x32 tokens" and demo._size("cnn", 1 / 16) == "2 images"
+
+
+def test_step_spread_is_relative_and_needs_two_steps():
+    assert demo.step_spread([1.0]) == float("inf")
+    assert demo.step_spread([1.0, 1.0, 1.0]) == 0.0
+    assert demo.step_spread([1.0, 2.0]) == pytest.approx(1 / 1.5)  # range over median below 4 steps
+    assert demo.step_spread([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # one outlier outside the quartiles
+
+
+def _row(level, speedup, spread, model="lm", before=5.5, after=4.0, bpp=10.0):
+    return {"model": model, "level": level, "speedup": speedup, "step_spread": spread, "noise": False,
+            "heldout_first": before, "heldout_final": after, "steps": 10, "bytes_per_param": bpp}
+
+
+def test_a_ratio_inside_the_spread_is_noise():
+    base = _row("O0", 1.0, 0.05)
+    assert demo.within_noise(_row("O5", 1.04, 0.02), base)
+    assert not demo.within_noise(_row("O5", 1.5, 0.02), base)
+    assert demo.within_noise(_row("O5", 1.5, 0.5), base)
+
+
+def test_the_note_explains_the_memory_levels_where_the_numbers_are():
+    o8, o7 = demo.note("O8", torch.device("cpu")), demo.note("O7", torch.device("cpu"))
+    assert "8-bit" in o8 and "peak" in o8 and "no masters" in o7 and "peak" in o7
+    assert demo.note("O5", torch.device("cpu")) == "half model + fp32 master weights"
+    assert demo.note("O0", torch.device("cpu")) == "the fp32 reference"
+    assert {demo.note(lvl, torch.device("cpu")) for lvl in demo.LEVELS} >= {"pure half: no masters, no loss scaling"}
+
+
+def test_the_fp8_hint_names_the_editable_install_from_a_checkout():
+    assert demo.install_hint("ampkit[fp8]") == 'from this checkout: pip install -e ".[fp8]"'  # the tests run from one
+
+
+def test_caveats_say_plainly_when_speed_is_noise_or_nothing_was_learned():
+    rows = [_row("O0", 1.0, 0.3), dict(_row("O5", 1.1, 0.3), noise=True), _row("O0", 1.0, 0.1, "cnn", 2.0, 2.1)]
+    busy = "\n".join(demo.caveats(rows, {"load_average": 5.0, "cores": 2}, torch.device("cpu")))
+    assert "~: the ratio is inside" in busy and "noise-level" in busy and "held-out loss of cnn did not fall" in busy
+    quiet = demo.caveats(rows[:1], {"load_average": 0.5, "cores": 2}, torch.device("cpu"))
+    assert quiet == []
+
+
+def test_the_demo_ends_with_one_recommendation_and_what_this_run_measured():
+    rows = [_row("O0", 1.0, 0.1, bpp=8.0), _row("O5", 1.4, 0.1), _row("O8", 0.6, 0.1, bpp=3.0)]
+    found = {"level": "O5", "reason": "Bfloat16 runs natively on test.", "memory_level": "O7", "memory_reason": "..."}
+    lines = demo.recommendation(rows, found)
+    assert lines[0] == "Recommended here: O5. Bfloat16 runs natively on test."
+    assert "1.40x O0's steps/s (faster than O0)" in lines[1] and "O8 keeps 3.0 bytes/param" in lines[2]
+
+
+def test_a_run_scores_its_held_out_batch_and_times_each_step():
+    row = demo.train("lm", "O0", 4, "cpu", 1 / 32)
+    assert math.isfinite(row["heldout_first"]) and math.isfinite(row["heldout_final"])
+    assert row["heldout_first"] != row["heldout_final"] and row["steps_per_s"] > 0 and row["step_spread"] >= 0
+    train, heldout = demo._batches("lm", 1 / 32)
+    assert len(train) == 8 and not any(torch.equal(heldout[0], x) for x, _ in train)

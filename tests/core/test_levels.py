@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ampkit.core.levels import HALF_DTYPE, OPT_LEVELS, check_opt_level, format_table, resolve
+from ampkit.core.levels import HALF_DTYPE, OPT_LEVELS, OVERRIDES, check_opt_level, format_table, markdown_table, resolve
 
 TABLE = {
     # level: cast_model_type, patch, keep_bn, master, loss_scale, half_dtype
@@ -141,25 +141,28 @@ def test_o7_with_masters_or_without_rounding_falls_back_quietly():
 
 
 @pytest.mark.repo_files("README.md")
-def test_readme_table_matches_opt_levels():
+def test_readme_table_is_the_generated_one():
+    """README.md carries markdown_table() (the docs generate it at build time; the README cannot)."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[2] / "README.md").read_text().split("## Opt levels", 1)[1]
-    lines = [ln for ln in text.split("\n\n", 2)[1].splitlines() if ln.startswith("| ")]
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    assert markdown_table() in text, "README.md's level table is stale: paste ampkit.core.levels.markdown_table()"
+
+
+def test_markdown_table_shows_every_level_and_property():
+    lines = markdown_table().split("\n\n")[0].splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = {cells[0]: dict(zip(head, cells)) for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:])}
-    assert list(rows) == list(OPT_LEVELS)
+    rows = {cells[0]: dict(zip(head, cells)) for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:])}
+    assert list(rows) == list(OPT_LEVELS) and head[1:] == list(OVERRIDES)
 
     def show(v):
-        if v is HALF_DTYPE:
-            return "half_dtype"
         if isinstance(v, torch.dtype):
             return str(v).replace("torch.", "")
-        return f'"{v}"' if isinstance(v, str) else str(v)
+        return str(v)
     for level, p in OPT_LEVELS.items():
         for name in head[1:]:
-            want = "—" if name == "half_dtype" and p.half_dtype is None else show(getattr(p, name))
-            assert rows[level][name] == want, (level, name)
+            assert rows[level][name] == show(getattr(p, name)), (level, name)
+    assert format_table().splitlines()[0].split() == head  # `ampkit levels` has the same columns
 
 
 def test_o8_is_o7_with_8bit_state():

@@ -1,4 +1,4 @@
-"""The README's op table for O1/O4 ("Which ops run in half at O1/O4"): the CPU columns are
+"""The docs' op table for O1/O4 (docs/training-loops.md, "Which ops run in half"): the CPU columns are
 measured here on this torch (float16 and bfloat16), with and without Apex's float32 list;
 the CUDA column when a GPU is present."""
 import re
@@ -12,12 +12,12 @@ from torch import nn
 import ampkit
 from ampkit.install.apex_lists import use_apex_fp32_list
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-pytestmark = pytest.mark.repo_files("README.md")
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "training-loops.md"
+pytestmark = pytest.mark.repo_files("docs/training-loops.md")
 W = torch.randn(4, 4)
 IDX = torch.zeros(4, dtype=torch.long)
 
-OPS = {  # README row -> the op, on a 4x4 floating input
+OPS = {  # table row -> the op, on a 4x4 floating input
     "`F.linear`, `matmul`, `@`": lambda x: F.linear(x, W.to(x.device)),
     "`conv1d/2d/3d`": lambda x: F.conv2d(x.view(1, 1, 4, 4), W.to(x.device).view(1, 1, 4, 4)),
     "`bmm`, `baddbmm`": lambda x: torch.bmm(x[None], x[None]),
@@ -47,8 +47,8 @@ COLUMNS = ("op", "apex", "cuda", "cpu", "cpu_apex_list")
 
 
 def readme_rows():
-    text = README.read_text()
-    section = text.split("### Which ops run in half at O1/O4", 1)[1].split("\n#", 1)[0]
+    text = PAGE.read_text()
+    section = text.split("## Autocast levels (O1/O4): which ops run in half", 1)[1].split("\n#", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -5,7 +5,7 @@ the argument, and that model, optimizer, loss scalers (and any other model invol
 bit-identical afterwards and still usable. Rows whose exception is None must *work*
 (calling optimizer.step() before any backward at O2/O5 — Apex crashed there) or take
 ampkit's documented non-exception path (a non-finite loss: the step is skipped and
-reported). ``BAD_INPUTS.md`` is this table rendered for the README; the last test keeps
+reported). ``BAD_INPUTS.md`` is this table rendered for the docs (Troubleshooting includes it); a test keeps
 it in sync (``AMPKIT_WRITE_BAD_INPUTS=1 python -m pytest tests/reliability/test_bad_inputs.py``
 rewrites it). The session summary prints "N bad inputs checked".
 """
@@ -563,6 +563,7 @@ def render_markdown() -> str:
         "message fragment, and model/optimizer/loss scalers bit-identical and still usable afterwards).",
         "Rows without an exception must work.",
         "",
+        "<!-- --8<-- [start:table] -->",
         "| call | argument | bad value | exception | message (contains) |",
         "|---|---|---|---|---|",
     ]
@@ -570,7 +571,7 @@ def render_markdown() -> str:
         exc = r.exc.__name__ if r.exc else "none"
         cells = [f"`{r.where}`", f"`{r.argument}`", r.value, exc, r.message]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    lines += ["", f"{len(TABLE)} bad inputs.", ""]
+    lines += ["", f"{len(TABLE)} bad inputs.", "<!-- --8<-- [end:table] -->", ""]
     return "\n".join(lines)
 
 
@@ -581,8 +582,9 @@ def test_bad_inputs_md_matches_the_table():
     assert MD.read_text() == text, "BAD_INPUTS.md is stale: rerun with AMPKIT_WRITE_BAD_INPUTS=1"
 
 
-@pytest.mark.repo_files("README.md")
-def test_readme_carries_the_same_table():
-    table = render_markdown().split("\n| call |", 1)[1].split("\n\n", 1)[0]
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    assert "| call |" + table in readme, "README.md's bad-input table is stale: paste tests/reliability/BAD_INPUTS.md"
+@pytest.mark.repo_files("docs/troubleshooting.md")
+def test_the_docs_include_the_table():
+    """The troubleshooting page includes this file's table section (pymdownx.snippets), so it shows these rows."""
+    page = (Path(__file__).parents[2] / "docs" / "troubleshooting.md").read_text()
+    assert '\n--8<-- "tests/reliability/BAD_INPUTS.md:table"\n' in page
+    assert "[start:table]" in MD.read_text() and "[end:table]" in MD.read_text()

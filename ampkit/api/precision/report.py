@@ -38,7 +38,8 @@ class PrecisionReport:
     """What :func:`precision_report` measured, worst layers first.
 
     ``print(report)`` shows the table and a verdict per level; :meth:`recommend` picks a level;
-    :meth:`to_dict`, :meth:`to_html` and :meth:`plot` export it.
+    :meth:`to_dict`, :meth:`to_html` and :meth:`plot` export it. Made by :func:`precision_report`
+    from its ``measurements``, the ``levels`` to judge and the device's ``caps`` (capabilities).
 
     Attributes:
         levels: the levels judged. capabilities: the device's half-precision support.

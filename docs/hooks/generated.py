@@ -1,0 +1,235 @@
+"""mkdocs hook: the parts of the site that are generated from the code, so a page and the code cannot disagree.
+
+Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdown``:
+
+* ``<!-- ampkit:levels -->``: the opt-level table, from ``ampkit.core.levels.markdown_table`` (what
+  ``ampkit levels`` prints, as markdown);
+* ``<!-- ampkit:options -->``: ``initialize``'s options, from ``ampkit.core.options.OPTIONS``;
+* ``<!-- ampkit:api-top -->``: one mkdocstrings entry per public name of ``ampkit.__all__``,
+  from the name -> defining module map in ``ampkit/__init__.py``;
+* ``<!-- ampkit:layers -->``: the package's layers as an inline SVG, from ``LAYERS`` in
+  ``tests/test_layers.py`` (read statically) and the modules found under ``ampkit/``.
+
+``on_files`` adds the benchmark figures, plotted at build time by ``benchmarks/plot.py`` from the
+JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --json``).
+
+The level and option tables import ``ampkit.core`` (and so torch, which ``ampkit[docs]`` installs
+with ampkit); the rest of the site is read statically.
+"""
+import ast
+import html
+import importlib.util
+import json
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "docs" / "benchmarks" / "data"
+FIGURES = "benchmarks/figures"  # where the plots appear in the site
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- generated markdown --------------------------------------------------------------------
+
+def levels_table() -> str:
+    from ampkit.core import levels
+
+    return levels.markdown_table()
+
+
+def options_list() -> str:
+    from ampkit.core.options import OPTIONS
+
+    lines = ["| option | default | what it does |", "|---|---|---|"]
+    for o in OPTIONS:
+        default = "the level's" if o.level else f"`{o.default!r}`"
+        lines.append(f"| `{o.name}` | {default} | {o.doc.replace('``', '`').replace('|', '&#124;')} |")
+    return "\n".join(lines)
+
+
+def public_exports() -> dict:
+    """``ampkit.__all__``'s names -> defining module, read from ``ampkit/__init__.py`` without importing it."""
+    tree = ast.parse((ROOT / "ampkit" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
+            exports = ast.literal_eval(node.value)
+            return {k: v for k, v in exports.items() if not k.startswith("_")}
+    raise RuntimeError("ampkit/__init__.py has no _EXPORTS table")
+
+
+DYNAMIC_DOCSTRINGS = {"initialize"}  # built at import time from core/options.py: read by importing the module
+
+
+def api_top() -> str:
+    """mkdocstrings entries for the top-level names (functions and classes; submodules have their pages)."""
+    out = []
+    for name, module in public_exports().items():
+        if not module:
+            continue
+        out.append(f"::: ampkit.{module}.{name}\n    options:\n      heading_level: 2\n")
+        if name in DYNAMIC_DOCSTRINGS:
+            out[-1] += "      force_inspection: true\n"
+    return "\n".join(out)
+
+
+def layers() -> list:
+    """``(layer, [module prefixes])`` from ``tests/test_layers.py``'s ``LAYERS``, lowest first."""
+    tree = ast.parse((ROOT / "tests" / "test_layers.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "LAYERS":
+            return [(name, list(prefixes)) for name, prefixes in ast.literal_eval(node.value)]
+    raise RuntimeError("tests/test_layers.py has no LAYERS table")
+
+
+def _modules() -> list:
+    out = []
+    for path in sorted((ROOT / "ampkit").rglob("*.py")):
+        parts = ("ampkit",) + path.relative_to(ROOT / "ampkit").with_suffix("").parts
+        out.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+def _layer_members(table: list) -> dict:
+    """Layer name -> the names shown in its box: subpackages as ``name/``, top-level modules as ``name``."""
+    members, counts = {name: [] for name, _ in table}, {}
+    for module in _modules():
+        best, layer = -1, None
+        for name, prefixes in table:
+            for p in prefixes:
+                if (module == p or module.startswith(p + ".")) and len(p) > best:
+                    best, layer = len(p), name
+        parts = module.split(".")
+        label = "ampkit" if len(parts) == 1 else (parts[1] + "/" if len(parts) > 2 or _is_package(parts) else parts[1])
+        if layer is not None and label not in members[layer]:
+            members[layer].append(label)
+        counts[label] = counts.get(label, 0) + 1
+    return {name: [f"{m}({counts[m]})" if m.endswith("/") else m for m in ms] for name, ms in members.items()}
+
+
+def _is_package(parts) -> bool:
+    return (ROOT.joinpath(*parts) / "__init__.py").exists()
+
+
+def layers_svg() -> str:
+    """The layers as boxes, highest first, each listing its packages and modules, arrows pointing down."""
+    table = layers()
+    members = _layer_members(table)
+    width, box_h, gap, left = 760, 54, 26, 120
+    rows = list(reversed(table))
+    height = len(rows) * (box_h + gap) - gap + 8
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="ampkit package layers" '
+             f'viewBox="0 0 {width} {height}" width="100%" style="max-width:{width}px;font-family:sans-serif">',
+             "<defs><marker id='arrow' markerWidth='10' markerHeight='10' refX='9' refY='5' orient='auto'>"
+             "<path d='M0,0 L10,5 L0,10 z' fill='#555'/></marker></defs>"]
+    for i, (name, _) in enumerate(rows):
+        y = 4 + i * (box_h + gap)
+        words = " ".join(members[name])
+        lines = _wrap(words, 72)
+        parts.append(f'<rect x="4" y="{y}" width="{width - 8}" height="{box_h}" rx="6" fill="#eef0fb" stroke="#3f51b5"/>')
+        parts.append(f'<text x="16" y="{y + 22}" font-size="16" font-weight="bold" fill="#283593">{html.escape(name)}</text>')
+        for j, line in enumerate(lines[:2]):
+            parts.append(f'<text x="{left}" y="{y + 20 + 18 * j}" font-size="13" font-family="monospace" fill="#222">'
+                         f'{html.escape(line)}</text>')
+        if i + 1 < len(rows):
+            parts.append(f'<line x1="{width / 2}" y1="{y + box_h}" x2="{width / 2}" y2="{y + box_h + gap - 4}" '
+                         f'stroke="#555" stroke-width="2" marker-end="url(#arrow)"/>')
+    parts.append("</svg>")
+    return '<div class="ampkit-layers">\n' + "".join(parts) + "\n</div>"  # a raw HTML block: markdown leaves it alone
+
+
+def _wrap(text: str, width: int) -> list:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return lines + ([line] if line else [])
+
+
+def bench_figures() -> str:
+    """Per committed ``benchmarks/run.py --json`` file: its machine, command, plot and the rows it holds."""
+    out = []
+    for path in sorted(DATA.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "results" not in data:
+            continue
+        m = data["machine"]
+        out += [f"### {m.get('cpu', '?')} ({path.name})", "",
+                f"Machine: {m.get('cpu')} ({m.get('cpu_capability')}{', ' + m['cpu_flags'] if m.get('cpu_flags') else ''}), "
+                f"{m.get('cores')} cores, {m.get('threads')} threads per run, torch {m.get('torch')}, Python {m.get('python')}, "
+                f"device {m.get('device')}; 1-minute load average {m.get('load_average'):.1f} at the start and "
+                f"{data.get('load_average_end', float('nan')):.1f} at the end. Command: "
+                f"`python {' '.join(data.get('argv', ['benchmarks/run.py']))}`"
+                f"{' (--quick: a smoke run, not valid for the targets)' if data.get('quick') else ''}.", "",
+                f"![Speed-up and peak memory per level on {m.get('cpu')}]({path.stem}.png)".replace(
+                    f"({path.stem}.png)", f"(figures/{path.stem}.png)"), ""]
+        for family, result in data["results"].items():
+            rows = result.get("rows") if isinstance(result, dict) else None
+            if not rows:
+                continue
+            keys = [k for k in rows[0] if not isinstance(rows[0][k], (list, dict))]
+            keys = [k for k in ("model", "level") if k in keys] + [k for k in keys if k not in ("model", "level")]
+            sizes = f", sizes: {result['sizes']}" if result.get("sizes") else ""
+            wall = f", {result['wall_s']:.0f} s" if isinstance(result.get("wall_s"), (int, float)) else ""
+            out += [f"**{family}** (the JSON's rows{sizes}{wall})", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            out += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+            shapes = "; ".join(f"{m}: `{result[m]}`" for m in ("lm", "cnn") if result.get(m))
+            out += ["", f"Models: {shapes}." if shapes else "", ""]
+        if data.get("targets"):
+            out += ["**targets** (as the script judged them)", "", "| target | measured | met |", "|---|---|---|"]
+            out += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in data["targets"]]
+            out.append("")
+    return "\n".join(out) if out else "No results are committed yet."
+
+
+def _cell(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+MARKERS = {
+    "<!-- ampkit:bench-figures -->": bench_figures,
+    "<!-- ampkit:levels -->": levels_table,
+    "<!-- ampkit:options -->": options_list,
+    "<!-- ampkit:api-top -->": api_top,
+    "<!-- ampkit:layers -->": layers_svg,
+}
+
+
+def on_page_markdown(markdown, page, config, files):
+    for marker, make in MARKERS.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, make())
+    return markdown
+
+
+# --- benchmark figures plotted at build time -----------------------------------------------
+
+def benchmark_figures() -> dict:
+    """Site path -> PNG bytes, one plot per ``benchmarks/run.py --json`` file in ``docs/benchmarks/data/``."""
+    import io
+
+    plot = _load(ROOT / "benchmarks" / "plot.py", "ampkit_docs_plot")
+    out = {}
+    for path in sorted(DATA.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "results" not in data:  # not a benchmarks/run.py file (e.g. a demo's --json)
+            continue
+        buffer = io.BytesIO()
+        plot.plot(data["results"], data["machine"], buffer)
+        out[f"{FIGURES}/{path.stem}.png"] = buffer.getvalue()
+    return out
+
+
+def on_files(files, config):
+    for uri, content in benchmark_figures().items():
+        files.append(File.generated(config, uri, content=content))
+    return files

@@ -1,0 +1,35 @@
+"""Facts of the pages that the code can check: the README stays short and links into the site, and every
+message of Troubleshooting's error table is one that ampkit (or torch, where the page says so) raises."""
+import re
+
+import pytest
+
+from .blocks import REPO
+
+pytestmark = pytest.mark.repo_files("README.md", "docs")
+
+
+def test_readme_is_short_and_points_into_the_site():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    for page in sorted((REPO / "docs").glob("*.md")):
+        if page.name not in ("index.md", "contributing.md"):
+            assert f"(docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
+    assert "python -m mkdocs build --strict" in text
+
+
+def error_table() -> list:
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    section = page.split("## Errors and what they mean", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [(re.match(r"\| `([^`]+)`", row)[1], "(torch's)" in row) for row in rows]
+
+
+def test_every_message_in_the_error_table_is_raised_by_the_code():
+    source = "\n".join(p.read_text() for p in (REPO / "ampkit").rglob("*.py"))
+    source += (REPO / "tests" / "reliability" / "BAD_INPUTS.md").read_text()  # messages built from parts
+    rows = error_table()
+    assert len(rows) >= 8
+    for fragment, torchs in rows:
+        if not torchs:
+            assert fragment in source, f"Troubleshooting quotes {fragment!r}, which no ampkit message contains"
