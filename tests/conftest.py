@@ -14,10 +14,15 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # a module all its tests, "module.py::test_name" one test (all its parameters).
 NUMERICS = (
     "core/test_blockquant.py", "core/test_casting.py", "core/test_remainder.py", "core/test_rounding.py",
-    "install/", "normalization/", "api/precision/", "api/test_compile.py", "api/test_checkpoint.py",
-    "api/test_fp16_utils.py", "api/test_nonfinite_gradients.py", "pipeline/test_initialize.py::test_training_reduces_loss",
-    "reliability/test_faults.py", "reliability/test_resume.py", "apex_compat/test_optimizers.py",
-    "parallel/",
+    "install/test_apex_lists.py", "install/test_copies.py", "install/test_dropped_batches.py",
+    "install/test_float8.py", "install/test_grad_kinds.py", "install/test_master_weights.py",
+    "install/test_multi_loss.py", "install/test_recurrent.py", "install/test_remainder_masters.py",
+    "install/test_state_8bit.py", "install/test_transient_update.py",
+    "normalization/", "parallel/",
+    "api/precision/test_ground_truth.py", "api/precision/test_report_api.py", "api/test_checkpoint.py",
+    "api/test_compile.py", "api/test_fp16_utils.py", "api/test_nonfinite_gradients.py",
+    "apex_compat/test_optimizers.py", "pipeline/test_initialize.py::test_training_reduces_loss",
+    "reliability/test_resume.py",
 )
 
 
