@@ -7,6 +7,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+# The numerics tests (``-m numerics``): their assertions rest on floating-point results (training
+# trajectories, rounding, 8-bit and fp8 codes, compiled kernels), so a dependence on the CPU's SIMD
+# width or on the thread count would show in them first. .ci/run runs them a second time with
+# ATEN_CPU_CAPABILITY=default and one thread. Paths are relative to tests/: a folder takes all of it,
+# a module all its tests, "module.py::test_name" one test (all its parameters).
+NUMERICS = (
+    "core/test_blockquant.py", "core/test_casting.py", "core/test_remainder.py", "core/test_rounding.py",
+    "install/test_apex_lists.py", "install/test_copies.py", "install/test_dropped_batches.py",
+    "install/test_float8.py", "install/test_grad_kinds.py", "install/test_master_weights.py",
+    "install/test_multi_loss.py", "install/test_recurrent.py", "install/test_remainder_masters.py",
+    "install/test_state_8bit.py", "install/test_transient_update.py",
+    "normalization/", "parallel/",
+    "api/precision/test_ground_truth.py", "api/precision/test_report_api.py", "api/test_checkpoint.py",
+    "api/test_compile.py", "api/test_fp16_utils.py", "api/test_nonfinite_gradients.py",
+    "apex_compat/test_optimizers.py", "pipeline/test_initialize.py::test_training_reduces_loss",
+    "reliability/test_resume.py",
+)
+
 
 @pytest.fixture(params=DEVICES)
 def device(request):
@@ -26,6 +44,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests under NUMERICS with ``numerics``."""
+    root = REPO / "tests"
+    for item in items:
+        if not item.path.is_relative_to(root):
+            continue
+        module = item.path.relative_to(root)
+        test = item.nodeid.partition("::")[2].partition("[")[0]  # without its parameters
+        names = {f"{folder.as_posix()}/" for folder in module.parents} | {module.as_posix(), f"{module.as_posix()}::{test}"}
+        if names.intersection(NUMERICS):
+            item.add_marker(pytest.mark.numerics)
 
 
 def pytest_runtest_setup(item):

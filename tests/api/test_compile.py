@@ -105,6 +105,9 @@ def _only_torch_optim_breaks(breaks):
     return all(reason.startswith("Call to `torch._dynamo.graph_break()`") for reason in breaks)
 
 
+# Compiling an optimizer step imports torch.utils.mkldnn (through inductor's passes), whose class
+# bodies use torch.jit.script_method: torch's own deprecation, once per process, not ampkit's.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 NEEDS_TORCHAO = pytest.mark.skipif(not float8.available(), reason="O6 needs torchao (pip install -e '.[fp8]')")
 
 

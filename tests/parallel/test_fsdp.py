@@ -579,6 +579,9 @@ def test_transient_update_dcp_checkpoint_resumes_bit_exactly_in_new_processes(tr
         assert not torch.equal(a, b)
 
 
+# The test writes genuine DCP metadata with dcp.save in this one process, without a process
+# group; torch says it assumes a single-process save, which is what is meant.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
 def test_load_sharded_refuses_metadata_that_dcp_did_not_write(tmp_path):
     import pickle
 
