@@ -1,0 +1,95 @@
+"""ampkit as a Lightning ``Trainer`` precision plugin: ``Trainer(plugins=[AmpkitPrecision("O8")])``.
+
+The plugin calls ``ampkit.initialize`` in ``connect`` (the one hook that sees the model and the
+optimizers together, after ``configure_optimizers``), runs ``backward`` inside ``scale_loss``,
+steps through ampkit's optimizer (a skipped step skips), clips the masters
+(``gradient_clip_val``), holds step-interval LR schedulers after a skipped step, logs the loss
+scale and the skipped steps, and saves the loss scalers in Lightning's checkpoints.
+
+What is initialized: the LightningModule's child modules that hold parameters, each as its own
+model, so a ``training_step`` that calls ``self.net(x)`` casts as one calling ``self(x)``
+does; a LightningModule with parameters of its own is initialized whole.
+"""
+import contextlib
+from typing import Any, Callable, List
+
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from ..api.state import load_state_dict, loss_scalers, state_dict
+from ..api.training import master_params, scale_loss
+from ..install.optimizer_wrappers import unwrap
+from ..pipeline.initialize import initialize
+from .schedulers import hold_on_skipped_steps
+
+__all__ = ["AmpkitPrecision"]
+
+
+class AmpkitPrecision(Precision):
+    """Train at ampkit's ``opt_level`` ("O0".."O8" or "auto"); ``options`` go to ``ampkit.initialize``
+    (``master_weights="remainder"``, ``loss_scale=...``, ...). One plugin per ``Trainer``."""
+
+    def __init__(self, opt_level: str = "O5", **options):
+        super().__init__()
+        options.setdefault("verbosity", 0)
+        self.opt_level, self.options = opt_level, options
+        self.optimizers: List[Any] = []  # the optimizers ampkit.initialize prepared
+        self._module = None
+
+    def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "AmpkitPrecision: the strategy wrapped the model in DistributedDataParallel before the precision "
+                "plugin saw it; ampkit must cast the model first. Use a single-device strategy, or ampkit's own "
+                "loop with ampkit.initialize(..., ddp=True).")
+        initialize(_models(model), list(optimizers) or None, opt_level=self.opt_level, **self.options)
+        self.optimizers, self._module = list(optimizers), model
+        for config in lr_schedulers:
+            if config.interval == "step" or not model.automatic_optimization:
+                hold_on_skipped_steps(config.scheduler)
+        return model, optimizers, lr_schedulers
+
+    @contextlib.contextmanager
+    def train_step_context(self):
+        if self._module is not None:  # the LightningOptimizers exist now: their zero_grad is ampkit's
+            opts = self._module.optimizers()
+            for opt in opts if isinstance(opts, list) else [opts]:
+                unwrap(opt)
+        with super().train_step_context():
+            yield
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        optimizers = [optimizer] if optimizer is not None else self.optimizers
+        with scale_loss(tensor, optimizers) as scaled:
+            model.backward(scaled, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs):
+        result = closure()  # training_step and backward: ampkit's step takes no closure
+        self._after_closure(model, optimizer)  # on_before_optimizer_step, then clipping (of main_params)
+        if result is None and model.automatic_optimization:
+            return None  # training_step returned None: nothing to step
+        output = optimizer.step(**kwargs)
+        scalers = loss_scalers(optimizer=optimizer)
+        model.log("ampkit/loss_scale", float(scalers[0].loss_scale()), on_step=True, on_epoch=False)
+        model.log("ampkit/skipped_steps", float(sum(s.skipped_steps for s in scalers)), on_step=True, on_epoch=False)
+        return output
+
+    def main_params(self, optimizer):
+        """What gradient clipping clips: the parameters the optimizer steps on (fp32 masters)."""
+        return master_params(optimizer)
+
+    def state_dict(self) -> dict:
+        return state_dict(optimizer=self.optimizers[0]) if self.optimizers else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            load_state_dict(state, optimizer=self.optimizers[0])
+
+
+def _models(module: nn.Module) -> list:
+    """The modules to initialize: the children that hold parameters, or ``module`` itself when it
+    holds parameters of its own."""
+    if next(module.parameters(recurse=False), None) is not None:
+        return [module]
+    children = [c for c in module.children() if next(c.parameters(), None) is not None]
+    return children or [module]
