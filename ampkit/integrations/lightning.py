@@ -11,18 +11,24 @@ model, so a ``training_step`` that calls ``self.net(x)`` casts as one calling ``
 does; a LightningModule with parameters of its own is initialized whole.
 """
 import contextlib
-from typing import Any, Callable, List
+import copy
+import logging
+from typing import Any, Callable, List, Optional
 
+from lightning.pytorch import Callback
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from ..api.precision import precision_report
 from ..api.state import load_state_dict, loss_scalers, state_dict
 from ..api.training import master_params, scale_loss
 from ..install.optimizer_wrappers import unwrap
 from ..pipeline.initialize import initialize
 from .schedulers import hold_on_skipped_steps
 
-__all__ = ["AmpkitPrecision"]
+__all__ = ["AmpkitPrecision", "PrecisionReportCallback"]
+
+logger = logging.getLogger(__name__)
 
 
 class AmpkitPrecision(Precision):
@@ -93,3 +99,36 @@ def _models(module: nn.Module) -> list:
         return [module]
     children = [c for c in module.children() if next(c.parameters(), None) is not None]
     return children or [module]
+
+
+class PrecisionReportCallback(Callback):
+    """Write ``ampkit.precision_report``'s HTML for the first ``batches`` batches of ``fit``.
+
+    The report is measured on a float32 copy of the LightningModule taken at ``setup`` (before
+    ``AmpkitPrecision`` casts it), with ``loss_fn(module, batch)``; by default the module's own
+    ``training_step(batch, 0)``. ``levels`` as in ``precision_report``. ``self.report`` holds it.
+    """
+
+    def __init__(self, path="precision_report.html", batches: int = 2, loss_fn: Optional[Callable] = None,
+                 levels=None):
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            raise ValueError(f"PrecisionReportCallback(batches={batches!r}): expected a positive integer.")
+        self.path, self.batches, self.levels = path, batches, levels
+        self.loss_fn = loss_fn or (lambda module, batch: module.training_step(batch, 0))
+        self.report = None
+        self._copy, self._seen = None, []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and self.report is None:
+            self._copy = copy.deepcopy(pl_module)  # float32 still: the plugin initializes in connect, later
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._copy is None:
+            return
+        self._seen.append(copy.deepcopy(batch))
+        if len(self._seen) == self.batches:
+            self.report = precision_report(self._copy, self.loss_fn, self._seen, levels=self.levels)
+            if trainer.is_global_zero:
+                written = self.report.to_html(self.path)
+                logger.info("precision report for the first %d batches written to %s", self.batches, written)
+            self._copy, self._seen = None, []

@@ -152,3 +152,20 @@ def test_checkpoint_and_fit_ckpt_path_resume_bit_exact(level, tmp_path):
     expected, lrs = reference(level, seen, schedule=True)
     assert same(weights(resumed.net), expected)
     assert resumed.trainer.optimizers[0].param_groups[0]["lr"] == lrs[-1]
+
+
+def test_precision_report_callback_writes_the_html_for_the_first_batches(tmp_path):
+    from ampkit.integrations.lightning import PrecisionReportCallback
+
+    batches = make_batches(4)
+    report = PrecisionReportCallback(tmp_path / "report.html", batches=2, levels=["O2", "O5"])
+    lit = Lit()
+    fit(lit, batches, "O5", callbacks=[report])
+    html = (tmp_path / "report.html").read_text()
+    assert html.lstrip().lower().startswith("<!doctype html") and "O5" in html
+    # measured on float32 copies with the first two batches: the same report as one made by hand before fit
+    expected = ampkit.precision_report(Lit(), lambda m, b: m.training_step(b, 0), batches[:2], levels=["O2", "O5"])
+    assert report.report.to_dict() == expected.to_dict()
+    assert lit.net[0].weight.dtype == torch.bfloat16  # and the fit itself went on at O5
+    with pytest.raises(ValueError, match="batches=0"):
+        PrecisionReportCallback(batches=0)
