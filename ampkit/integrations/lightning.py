@@ -12,10 +12,12 @@ does; a LightningModule with parameters of its own is initialized whole.
 """
 import contextlib
 import copy
+import gc
 import logging
 from typing import Any, Callable, List, Optional
 
 from lightning.pytorch import Callback
+import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
@@ -23,6 +25,7 @@ from ..api.precision import precision_report
 from ..api.state import load_state_dict, loss_scalers, state_dict
 from ..api.training import master_params, scale_loss
 from ..install.optimizer_wrappers import unwrap
+from ..parallel import DistributedDataParallel
 from ..pipeline.initialize import initialize
 from .schedulers import hold_on_skipped_steps
 
@@ -43,16 +46,15 @@ class AmpkitPrecision(Precision):
         self._module = None
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list):
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError(
-                "AmpkitPrecision: the strategy wrapped the model in DistributedDataParallel before the precision "
-                "plugin saw it; ampkit must cast the model first. Use a single-device strategy, or ampkit's own "
-                "loop with ampkit.initialize(..., ddp=True).")
-        initialize(_models(model), list(optimizers) or None, opt_level=self.opt_level, **self.options)
-        self.optimizers, self._module = list(optimizers), model
+        wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
+        module = model.module if wrapped else model
+        initialize(_models(module), list(optimizers) or None, opt_level=self.opt_level, **self.options)
+        self.optimizers, self._module = list(optimizers), module
         for config in lr_schedulers:
-            if config.interval == "step" or not model.automatic_optimization:
+            if config.interval == "step" or not module.automatic_optimization:
                 hold_on_skipped_steps(config.scheduler)
+        if wrapped:  # the DDP strategy wrapped the float32 model: wrap the cast one as ampkit.initialize(ddp=True) does
+            model = _rewrapped(model, self.optimizers)
         return model, optimizers, lr_schedulers
 
     @contextlib.contextmanager
@@ -90,6 +92,17 @@ class AmpkitPrecision(Precision):
     def load_state_dict(self, state: dict) -> None:
         if state:
             load_state_dict(state, optimizer=self.optimizers[0])
+
+
+def _rewrapped(ddp: nn.parallel.DistributedDataParallel, optimizers: list) -> nn.Module:
+    """ampkit's DistributedDataParallel around ``ddp.module``, reducing as ``initialize(ddp=True)`` would
+    (in float32 where a half model has no masters); torch's wrapper, built on the float32 model, goes."""
+    module = ddp.module
+    props = unwrap(optimizers[0])._ampkit.run.properties
+    fp32 = props.cast_model_type in (torch.float16, torch.bfloat16) and not props.master_weights
+    del ddp  # its reducer (and the autograd hooks it put on the parameters) goes with it
+    gc.collect()
+    return DistributedDataParallel(module, allreduce_always_fp32=fp32)
 
 
 def _models(module: nn.Module) -> list:

@@ -10,7 +10,8 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 import ampkit  # noqa: E402
 from ampkit.integrations.accelerate import AmpkitAccelerator, attach  # noqa: E402
 
-from ._models import LEVELS, level_options, loss_of, make_batches, make_net, reference, same, weights  # noqa: E402
+from ._models import (  # noqa: E402
+    LEVELS, level_options, loss_of, make_batches, make_net, make_optimizer, reference, same, weights)
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def setup(level, schedule=False, accumulate=1, plain=False):
     kwargs = dict(cpu=True, gradient_accumulation_steps=accumulate)
     accelerator = attach(Accelerator(**kwargs)) if plain else AmpkitAccelerator(**kwargs)
     net = make_net()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    opt = make_optimizer(net.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule else None
     net, opt = ampkit.initialize(net, opt, **level_options(level))
     prepared = accelerator.prepare(net, opt, sched) if schedule else (*accelerator.prepare(net, opt), None)

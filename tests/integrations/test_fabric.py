@@ -7,13 +7,14 @@ lightning = pytest.importorskip("lightning", reason="needs lightning (pip instal
 import ampkit  # noqa: E402
 from ampkit.integrations.schedulers import hold_on_skipped_steps  # noqa: E402
 
-from ._models import LEVELS, level_options, loss_of, make_batches, make_net, reference, same, weights  # noqa: E402
+from ._models import (  # noqa: E402
+    LEVELS, level_options, loss_of, make_batches, make_net, make_optimizer, reference, same, weights)
 
 
 def setup(level, schedule=False):
     fabric = lightning.Fabric(accelerator="cpu", devices=1)
     net = make_net()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    opt = make_optimizer(net.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule else None
     net, opt = ampkit.initialize(net, opt, **level_options(level))
     net, opt = fabric.setup(net, opt)

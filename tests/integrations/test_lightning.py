@@ -7,7 +7,8 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (pip insta
 import ampkit  # noqa: E402
 from ampkit.integrations.lightning import AmpkitPrecision  # noqa: E402
 
-from ._models import LEVELS, level_options, loss_of, make_batches, make_net, reference, same, weights  # noqa: E402
+from ._models import (  # noqa: E402
+    LEVELS, level_options, loss_of, make_batches, make_net, make_optimizer, reference, same, weights)
 
 
 class Lit(pl.LightningModule):
@@ -37,7 +38,7 @@ class Lit(pl.LightningModule):
             self.lr_schedulers().step()
 
     def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        opt = make_optimizer(self.parameters())
         if not self.schedule:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
