@@ -170,3 +170,38 @@ def test_precision_report_callback_writes_the_html_for_the_first_batches(tmp_pat
     assert lit.net[0].weight.dtype == torch.bfloat16  # and the fit itself went on at O5
     with pytest.raises(ValueError, match="batches=0"):
         PrecisionReportCallback(batches=0)
+
+
+class Dropping(Lit):
+    """Manual optimization whose batch 1 fails halfway through backward (after the last layer's scaled
+    gradients were written): the next zero_grad(), the LightningOptimizer's, must clear them as ampkit's does."""
+
+    def __init__(self):
+        super().__init__(manual=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        hook = self.net[0].register_forward_hook(lambda m, i, out: out.register_hook(self.fail) and None)
+        if batch_idx != 1:
+            hook.remove()
+        loss = loss_of(self.net(x), y)
+        hook.remove()
+        try:
+            self.manual_backward(loss)
+        except KeyboardInterrupt:
+            return None  # the batch is dropped
+        opt.step()
+
+    @staticmethod
+    def fail(grad):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("level", ["O2", "O5", "O7"])
+def test_a_batch_dropped_in_manual_optimization_is_forgotten_by_the_lightning_optimizers_zero_grad(level):
+    batches = make_batches(4)
+    lit = Dropping()
+    fit(lit, batches, level, steps=3)
+    assert same(weights(lit.net), reference(level, batches[:1] + batches[2:])[0])
