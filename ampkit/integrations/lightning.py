@@ -8,7 +8,11 @@ scale and the skipped steps, and saves the loss scalers in Lightning's checkpoin
 
 What is initialized: the LightningModule's child modules that hold parameters, each as its own
 model, so a ``training_step`` that calls ``self.net(x)`` casts as one calling ``self(x)``
-does; a LightningModule with parameters of its own is initialized whole.
+does; a LightningModule with parameters of its own is initialized whole. Under the DDP
+strategy the model torch's DDP wrapped (still float32) is rewrapped in ampkit's
+``DistributedDataParallel`` once cast, reducing as ``initialize(..., ddp=True)`` does.
+
+``PrecisionReportCallback`` writes ``ampkit.precision_report``'s HTML for the first batches of fit.
 """
 import contextlib
 import copy
@@ -16,8 +20,8 @@ import gc
 import logging
 from typing import Any, Callable, List, Optional
 
-from lightning.pytorch import Callback
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
@@ -48,7 +52,13 @@ class AmpkitPrecision(Precision):
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list):
         wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
         module = model.module if wrapped else model
-        initialize(_models(module), list(optimizers) or None, opt_level=self.opt_level, **self.options)
+        models = _models(module)
+        if any(getattr(m, "_ampkit", None) is not None for m in models):
+            raise RuntimeError(
+                f"AmpkitPrecision: {type(module).__name__} was already cast by ampkit in an earlier fit(); its new "
+                f"optimizers would not match the cast model. Build a fresh module for a new fit, or continue a run "
+                f"with trainer.fit(module, ckpt_path=...) on a fresh module.")
+        initialize(models, list(optimizers) or None, opt_level=self.opt_level, **self.options)
         self.optimizers, self._module = list(optimizers), module
         for config in lr_schedulers:
             if config.interval == "step" or not module.automatic_optimization:

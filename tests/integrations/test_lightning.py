@@ -205,3 +205,10 @@ def test_a_batch_dropped_in_manual_optimization_is_forgotten_by_the_lightning_op
     lit = Dropping()
     fit(lit, batches, level, steps=3)
     assert same(weights(lit.net), reference(level, batches[:1] + batches[2:])[0])
+
+
+def test_a_second_fit_of_a_cast_module_is_refused_with_the_way_out():
+    lit = Lit()
+    fit(lit, make_batches(2), "O5")
+    with pytest.raises(RuntimeError, match="already cast by ampkit in an earlier fit"):
+        fit(lit, make_batches(2), "O5")
