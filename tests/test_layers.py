@@ -18,6 +18,7 @@ LAYERS = (  # (name, module prefixes); a module belongs to the layer of its long
     ("pipeline", ("ampkit.pipeline",)),
     ("api", ("ampkit.api",)),
     ("public", ("ampkit",)),  # the package and its top-level modules (public names, path shims)
+    ("integrations", ("ampkit.integrations",)),  # one module per training framework
     ("apps", ("ampkit.apps", "ampkit.apex_compat", "ampkit.__main__")),
 )
 

@@ -4,11 +4,13 @@ import sys
 
 import pytest
 
-HEAVY = ("torchao", "torch.distributed.checkpoint", "torch.distributed.fsdp")
+HEAVY = ("torchao", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+         "lightning", "pytorch_lightning", "accelerate", "transformers")  # the frameworks: ampkit.integrations only
 
 
 @pytest.mark.parametrize("statement", [
     "import ampkit", "import ampkit; ampkit.initialize; ampkit.scale_loss",
+    "import ampkit.integrations; from ampkit.integrations import schedulers",
     "import ampkit.apex_compat as c; c.install(); from apex import amp, optimizers, parallel, fp16_utils",
 ])
 def test_import_does_not_pull_in_heavy_modules(statement):

@@ -30,6 +30,7 @@ from torch import nn
 from ..core.rounding import StochasticRounder
 from ..core.run import ROUNDING_KEY as ROUNDING
 from ..core.scaler import LossScaler
+from ..install.optimizer_wrappers import unwrap
 from ..parallel.fsdp import is_sharded
 
 __all__ = ["CheckpointError", "save", "load"]
@@ -151,6 +152,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
     if extra is not None and type(extra) is not dict:
         raise TypeError(f"ampkit.checkpoint.save(extra=...): expected a dict or None, got {type(extra).__name__}.")
     _check_kinds("save", model, optimizer)
+    optimizer = unwrap(optimizer)
     _check_extra(extra, "extra")
     _refuse_sharded(model, "save")
     run = _run_of(optimizer, "save")
@@ -311,6 +313,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """
     where = f"ampkit.checkpoint.load({os.fspath(path)!r})"
     _check_kinds("load", model, optimizer)
+    optimizer = unwrap(optimizer)
     _refuse_sharded(model, "load")
     run = _run_of(optimizer, "load")
     scalers = run.scalers

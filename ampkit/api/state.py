@@ -4,6 +4,7 @@ Each call takes the run from ``optimizer=`` (or ``model=``), else the current ru
 ``ampkit.core.registry``).
 """
 from ..core import registry
+from ..install.optimizer_wrappers import unwrap
 
 
 def state_dict(destination=None, optimizer=None, model=None) -> dict:
@@ -17,7 +18,7 @@ def state_dict(destination=None, optimizer=None, model=None) -> dict:
         optimizer: the run whose scalers are meant, by its optimizer (else the current run).
         model: the run whose scalers are meant, by its model.
     """
-    return registry.run_of("ampkit.state_dict()", optimizer, model).state_dict(destination)
+    return registry.run_of("ampkit.state_dict()", _unwrapped(optimizer), model).state_dict(destination)
 
 
 def load_state_dict(state: dict, optimizer=None, model=None) -> None:
@@ -29,7 +30,7 @@ def load_state_dict(state: dict, optimizer=None, model=None) -> None:
         optimizer: choose the run by its optimizer, as in :func:`state_dict`.
         model: choose the run by its model.
     """
-    registry.run_of("ampkit.load_state_dict()", optimizer, model).load_state_dict(state, "ampkit.load_state_dict")
+    registry.run_of("ampkit.load_state_dict()", _unwrapped(optimizer), model).load_state_dict(state, "ampkit.load_state_dict")
 
 
 def loss_scalers(optimizer=None, model=None) -> list:
@@ -42,12 +43,13 @@ def loss_scalers(optimizer=None, model=None) -> list:
         optimizer: the run, by its optimizer (else the current run).
         model: the run, by its model.
     """
-    return list(registry.run_of("ampkit.loss_scalers()", optimizer, model).scalers)
+    return list(registry.run_of("ampkit.loss_scalers()", _unwrapped(optimizer), model).scalers)
 
 
 def step_was_skipped(optimizer) -> bool:
     """Whether ``optimizer``'s last ``step()`` was skipped because gradients overflowed
     (an LR scheduler should then not advance). False before its first step."""
+    optimizer = _unwrapped(optimizer)
     registry.of_optimizer("ampkit.step_was_skipped()", optimizer)
     return optimizer._ampkit.last_step_skipped
 
@@ -58,6 +60,12 @@ def nonfinite_gradients(optimizer=None) -> list:
     step. Empty after a clean step. Looked for only when an overflow was found, so a clean
     step costs nothing. The run is ``optimizer``'s, else the current run."""
     if optimizer is not None:
+        optimizer = _unwrapped(optimizer)
         registry.of_optimizer("ampkit.nonfinite_gradients()", optimizer)
         return list(optimizer._ampkit.nonfinite)
     return list(registry.current("ampkit.nonfinite_gradients()").nonfinite)
+
+
+def _unwrapped(optimizer):
+    """A framework's optimizer wrapper as the optimizer behind it (see ``optimizer_wrappers``)."""
+    return None if optimizer is None else unwrap(optimizer)

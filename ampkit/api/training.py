@@ -5,7 +5,7 @@ import torch
 
 from ..core import registry
 from ..install.optimizer_state import OptimizerState
-from ..install.optimizer_wrappers import OptimizerLike
+from ..install.optimizer_wrappers import OptimizerLike, unwrap
 from ..install.overflow import OverflowCheck
 from ..pipeline.request import as_list
 
@@ -29,6 +29,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             ``optimizer.step()``.
     """
     opts, _ = as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
+    opts = [unwrap(o) for o in opts]
     run = _run_of(opts)
     if not run.enabled:
         yield loss
@@ -101,5 +102,5 @@ def master_params(optimizer):
         optimizer: an optimizer returned by ``initialize`` (for gradient clipping:
             ``clip_grad_norm_(ampkit.master_params(optimizer), max_norm)`` after ``scale_loss``).
     """
-    for group in optimizer.param_groups:
+    for group in unwrap(optimizer).param_groups:
         yield from group["params"]

@@ -6,6 +6,7 @@ Unlike a closure assigned to ``model.forward`` this survives ``copy.deepcopy``,
 pickling, ``torch.compile`` and DataParallel replication, and ``isinstance`` checks
 against the original class still hold. ``model._ampkit`` is a :class:`ModelState`.
 """
+import inspect
 import itertools
 from collections.abc import Mapping
 from typing import Dict, Optional
@@ -352,9 +353,26 @@ def amp_class(base: type) -> type:
     """The cached ``AmpModule`` subclass of ``base``, carrying ``base``'s name."""
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = type(base.__name__, (AmpModule, base), {"__module__": base.__module__, "__qualname__": base.__qualname__})
+        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "forward": _forward_of(base)}
+        cls = type(base.__name__, (AmpModule, base), namespace)
         _CLASSES[base] = cls
     return cls
+
+
+def _forward_of(base: type):
+    """``AmpModule.forward`` under ``base.forward``'s signature and docstring: code that reads the
+    signature (transformers' ``Trainer`` keeps only the batch columns ``forward`` names) sees the
+    model's own."""
+
+    def forward(self, *args, **kwargs):
+        return AmpModule.forward(self, *args, **kwargs)
+
+    forward.__doc__ = base.forward.__doc__
+    try:
+        forward.__signature__ = inspect.signature(base.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature keeps (*args, **kwargs)
+        pass
+    return forward
 
 
 def _rebuild(base: type):

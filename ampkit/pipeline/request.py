@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..core.options import SIGNATURE
-from ..install.optimizer_wrappers import OptimizerLike
+from ..install.optimizer_wrappers import OptimizerLike, unwrap
 
 OPTIMIZER_KINDS = (torch.optim.Optimizer, OptimizerLike)
 
@@ -59,6 +59,7 @@ def parse(args: tuple, kwargs: dict) -> Request:
     opt_list, _ = as_list([] if optimizers is None else optimizers, "initialize(optimizers=...)", OPTIMIZER_KINDS,
                           "a torch.optim.Optimizer (or a wrapper exposing its param_groups and state, such as LARC) "
                           "or a list of them")
+    opt_list = [unwrap(o) for o in opt_list]  # a framework's wrapper: the optimizer behind it
     if not model_list:
         raise ValueError("initialize(models=...): expected at least one model.")
     return Request(model_list, opt_list, single, models, optimizers is not None, optimizers, enabled,
