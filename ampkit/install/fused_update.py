@@ -6,9 +6,9 @@ transient update hands the bf16 parameters of a plain ``torch.optim.AdamW`` or `
 ``core/fused_adamw.py``: gradient, weight and state are read once and written once, with
 the stochastic rounding inside, in place of fp32 copies stepped by the optimizer and
 rounded back. The state stays torch's (``step``, ``exp_avg``, ``exp_avg_sq``, keyed by the
-parameter), so checkpoints move between the two paths and plain torch. On CPU the C kernel
-runs (``core/native.py``); elsewhere, or without a C compiler, the eager reference, with
-the same numbers. ``AMPKIT_FUSED=0`` turns the fused path off (every parameter goes
+parameter), so checkpoints move between the two paths and plain torch. It runs on CPU
+parameters (FSDP2's ``CPUOffloadPolicy`` included): the C kernel (``core/native.py``), or
+without a C compiler the eager reference, with the same numbers. ``AMPKIT_FUSED=0`` turns the fused path off (every parameter goes
 through the optimizer's own step).
 """
 import os
@@ -28,10 +28,12 @@ def enabled() -> bool:
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
-    """Whether ``p`` of ``group`` steps here: a bf16 parameter with a dense bf16 gradient of an
-    exact AdamW / Adam whose group asks for nothing this kernel does not do, and state (if
-    any) as this path keeps it."""
-    if type(optimizer) not in KINDS or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse:
+    """Whether ``p`` of ``group`` steps here: a bf16 CPU parameter with a dense bf16 gradient of
+    an exact AdamW / Adam whose group asks for nothing this kernel does not do, and state (if
+    any) as this path keeps it. (On CUDA torch's own AdamW kernels stay: no fused kernel is
+    written for CUDA yet, and the eager reference there is no faster than them.)"""
+    if (type(optimizer) not in KINDS or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
+            or local(p).device.type != "cpu"):
         return False
     if group.get("amsgrad") or group.get("capturable") or group.get("differentiable") or group.get("fused"):
         return False
@@ -45,7 +47,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all :func:`eligible`)."""
-    lib = native.library() if any(local(p).device.type == "cpu" for _, p in params) else None
+    lib = native.library()
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
     for group, p in params:
         state = optimizer.state[p]
