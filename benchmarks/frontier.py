@@ -66,7 +66,7 @@ from ampkit.apps.demo import DEMO_LM, isolated, machine
 from ampkit.apps.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
 from ampkit.core.levels import OPT_LEVELS
 from ampkit.footprint import persistent_bytes
-from run import Log, default_threads, emulated, table  # benchmarks/run.py: the same helpers
+from common import Log, default_threads, emulated, table  # benchmarks/common.py: the same helpers
 
 LM = DEMO_LM
 QUICK_LM = LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4)

@@ -43,7 +43,7 @@ from ampkit.apps.demo import MemoryMeter, machine
 from ampkit.apps.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import Log, emulated, finish, table  # noqa: E402  (benchmarks/run.py: the same helpers)
+from common import Log, emulated, finish, table  # noqa: E402  (benchmarks/common.py: the same helpers)
 
 FULL = dict(lm=LMConfig(vocab=256, d_model=1024, n_heads=8, n_layers=4, seq_len=32, batch=2), memory_steps=3,
             speed_lm=LMConfig(vocab=256, d_model=512, n_heads=8, n_layers=4, seq_len=64, batch=4),

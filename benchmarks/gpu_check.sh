@@ -3,12 +3,14 @@
 #   1. the CUDA test matrix: every device-parametrized test's cuda case and every test marked
 #      `cuda` (pytest -k cuda: the keyword matches both), multi-process tests left out;
 #   2. the benchmark families on CUDA (compile family at O0, O2, O5), JSON and tables;
+#   2b. the update family on CUDA (the AdamW update alone per level against its bound; the fused
+#      O7 kernel is CPU only, so on CUDA its rows take torch's AdamW step), JSON and table;
 #   3. the demo on CUDA with its default sizing;
 #   4. a short frontier run on CUDA (benchmarks/frontier.py --quick: ampkit's bf16 levels and the
 #      peer optimizers that import, O6), JSON and tables.
 # Everything lands in OUT (default benchmarks/results/gpu); a summary in OUT/summary.json.
 # Exits non-zero when there is no CUDA device, a test fails, or a step crashes or runs over its
-# time limit (the limits add up to under 12 minutes). Missed benchmark targets are reported in
+# time limit (the limits add up to under 14 minutes). Missed benchmark targets are reported in
 # the tables and JSON, not turned into a failure.
 #
 #   bash benchmarks/gpu_check.sh [OUT]        # PYTHON=/path/to/python to pick the interpreter
@@ -35,13 +37,15 @@ run_step() {  # name, seconds, command...
 }
 
 run_step tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -k cuda --junitxml "$OUT/tests.xml" tests
-run_step benchmarks 270 "$PY" benchmarks/run.py --device cuda --compile-levels O0,O2,O5 --json "$OUT/benchmarks.json"
+run_step benchmarks 270 "$PY" benchmarks/run.py --device cuda --compile-levels O0,O2,O5 \
+    --only overhead,speedup,unscale,memory,scaling,compile --json "$OUT/benchmarks.json"
+run_step update 90 "$PY" benchmarks/run.py --device cuda --only update --json "$OUT/update.json"
 run_step demo 60 "$PY" -m ampkit demo --device cuda --json "$OUT/demo.json"
 run_step frontier 240 "$PY" benchmarks/frontier.py --quick --device cuda --json "$OUT/frontier.json"
 
 failed=0
 summary="{"
-for name in tests benchmarks demo frontier; do
+for name in tests benchmarks update demo frontier; do
     summary+="\"$name\": ${STATUS[$name]}, "
     [ "${STATUS[$name]}" -ne 0 ] && failed=1
 done

@@ -28,7 +28,7 @@ import ampkit
 from ampkit.apps.demo import DEMO_LM, machine
 from ampkit.apps.demo_models import TinyLM, lm_batches, lm_loss
 from frontier import EMULATED_LM  # benchmarks/frontier.py
-from run import default_threads, emulated, stream_gbps, table  # benchmarks/run.py
+from common import default_threads, emulated, stream_gbps, table  # benchmarks/common.py
 
 VARIANTS = {  # name: (level, overrides)
     "O5": ("O5", {}),

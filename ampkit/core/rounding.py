@@ -1,4 +1,4 @@
-"""Stochastic rounding of float32 to bfloat16, from seeded generators whose state checkpoints.
+"""Stochastic rounding of float32 to bfloat16: from counter bits (O7), or from a generator.
 
 A float32 value ``x`` between the bfloat16 neighbours ``lo < x < hi`` rounds to ``hi`` with
 probability ``(x - lo) / (hi - lo)`` and to ``lo`` otherwise, so the expected result is
@@ -7,6 +7,8 @@ moves it on average. bfloat16 is float32 without its low 16 bits: adding a unifo
 integer to those bits and clearing them rounds the magnitude up with exactly that
 probability, for either sign.
 
+O7 rounds with :func:`round_counter_`, whose bits are a pure function of the element and
+the step (``core/counter_bits.py``); the functions below take a ``torch.Generator``.
 The generator is the costly part (on CPU a serial kernel), so each element costs it 8 bits,
 not 16: the tensors are rounded as one flat run of ``n`` elements, and element ``i`` of its
 first half takes a uniform 16-bit draw ``d`` while element ``i`` of its second half (``h =
@@ -18,18 +20,22 @@ low byte decides. The draws are the 16-bit quarters of
 uniform 64-bit integers (each quarter of a uniform 64-bit integer is uniform, the four
 independent).
 """
+import ctypes
 from typing import Dict, List, Optional
 
 import torch
 from torch._utils import _unflatten_dense_tensors
 
+from . import counter_bits, native
+from .counter_bits import Index
 from .flat import flat
 
-__all__ = ["round_to_bf16_", "round_all_to_bf16_", "StochasticRounder"]
+__all__ = ["round_to_bf16_", "round_all_to_bf16_", "round_counter_", "StochasticRounder"]
 
 _PER_WORD = 4  # 16-bit draws per 64-bit word
 _HALF = 1 << 15
 _KEEP = -(1 << 16)  # as int32: 0xFFFF0000, the float32 bits bfloat16 keeps
+BLOCK = 1 << 15  # elements per block of the eager counter-bit kernels
 
 
 def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -62,16 +68,55 @@ def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], gener
     torch._foreach_copy_(dsts, _unflatten_dense_tensors(run, dsts))  # exact: the dropped bits are zero
 
 
-class StochasticRounder:
-    """One seeded generator per device; ``state_dict`` captures them all for bit-exact resume.
+def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, tensor: int, stream: int,
+                   index: Index, lib=None) -> torch.Tensor:
+    """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically with the
+    counter bits of ``(seed, step, tensor, element, stream)``: the element indices are
+    ``index + k`` for the ``k``-th element of ``src`` in row-major order, or ``index`` itself
+    (an int64 tensor of ``src``'s size). With ``lib`` (``native.library()``) on CPU in one
+    pass of its C kernel, else in torch ops (the same bits); ``src`` may be overwritten."""
+    if src.dtype != torch.float32 or dst.dtype != torch.bfloat16 or src.shape != dst.shape:
+        raise TypeError(f"round_counter_: expected a bfloat16 dst and a float32 src of one shape, got "
+                        f"{dst.dtype} {tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}.")
+    n = src.numel()
+    if n == 0:
+        return dst
+    run = src.reshape(-1)
+    out = dst.view(-1) if dst.is_contiguous() else torch.empty(n, dtype=torch.bfloat16, device=dst.device)
+    if lib is not None and isinstance(index, int) and src.device.type == "cpu":
+        k = native.u64(counter_bits.key(seed, step, tensor, stream))
+        shift = ctypes.c_int(48 if stream % 2 else 16)
+        native.run(lib.round_bf16, n, lambda fn, lo, hi: fn(native.ptr(run, lo), native.ptr(out, lo), ctypes.c_int64(hi - lo),
+                                                          ctypes.c_int64(index + lo), k, shift))
+    else:
+        index = index.reshape(-1).to(src.device) if torch.is_tensor(index) else index
+        bits = run.view(torch.int32)
+        for lo in range(0, n, BLOCK):  # blocks that stay in cache: 10x faster than whole-tensor int64 passes
+            hi = min(n, lo + BLOCK)
+            at = index[lo:hi] if torch.is_tensor(index) else index + lo
+            bits[lo:hi].add_(counter_bits.draws16(seed, step, tensor, stream, at, hi - lo, src.device)).bitwise_and_(_KEEP)
+        out.copy_(run)  # exact: the dropped bits are zero
+    if out.data_ptr() != dst.data_ptr():
+        dst.copy_(out.view(dst.shape))
+    return dst
 
-    Every generator starts from ``seed + stream``. ``stream`` is 0 but on FSDP2, where it is
-    the rank's index among the shards: data-parallel replicas that apply the same update
-    round it the same way, and different shards draw different bits.
+
+class StochasticRounder:
+    """The run's rounding randomness: a seed and a step counter, and (for O8's 8-bit codes)
+    one seeded generator per device; ``state_dict`` captures them for bit-exact resume.
+
+    :meth:`round_` (O7's weights and half state) takes its bits from
+    ``core/counter_bits.py``: a pure function of ``(seed, step, tensor, element, stream)``,
+    the same for any chunking, thread count, shard layout or world size. ``step`` counts the
+    optimizer steps that rounded (:meth:`advance`; a skipped step does not).
+
+    The generators start from ``seed + stream``; ``stream`` is 0 but on FSDP2, where it is
+    the rank's index among the shards, so that different shards draw different codes.
     """
 
     def __init__(self, seed: int = 0, stream: int = 0):
         self.seed = _check_seed(seed)
+        self.step = 0
         self.stream = stream
         self.generators: Dict[str, torch.Generator] = {}
 
@@ -82,23 +127,37 @@ class StochasticRounder:
             gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed + self.stream)
         return gen
 
-    def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        """``round_all_to_bf16_`` with the generator of the tensors' device (``srcs`` are lost)."""
-        if srcs:
-            round_all_to_bf16_(dsts, srcs, self.generator(srcs[0].device))
+    def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], tensors: List[int],
+               index: List[Index], stream: int = 0) -> None:
+        """``dsts[i] = srcs[i]`` (float32 into bfloat16) rounded stochastically with the bits of
+        ``(seed, step, tensors[i], element, stream)``, where ``index[i]`` is the index of the
+        first element of ``srcs[i]`` in its full parameter (or every element's, an int64
+        tensor); ``srcs`` may be overwritten."""
+        lib = native.library() if any(s.device.type == "cpu" for s in srcs) else None
+        for dst, src, tensor, first in zip(dsts, srcs, tensors, index):
+            round_counter_(dst, src, self.seed, self.step, tensor, stream, first, lib)
+
+    def advance(self) -> None:
+        """One more step rounded: the next :meth:`round_` draws new bits."""
+        self.step += 1
 
     def manual_seed(self, seed: int) -> None:
-        """Restart every generator from ``seed``."""
+        """Restart from ``seed``: step 0, every generator afresh."""
         self.seed = _check_seed(seed)
+        self.step = 0
         self.generators.clear()
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "generators": {k: g.get_state() for k, g in self.generators.items()}}
+        return {"seed": self.seed, "step": self.step, "generators": {k: g.get_state() for k, g in self.generators.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output: checked whole first (see :meth:`loadable`)."""
+        """Restore :meth:`state_dict` output: checked whole first (see :meth:`loadable`). A
+        state saved before the step counter existed (only ``seed`` and ``generators``)
+        continues from its seed at step 0: its run drew its bits from the generators, so
+        none of the counter's bits repeat ones it used."""
         kept = self.loadable("stochastic_rounding", state)
         self.manual_seed(state["seed"])
+        self.step = state.get("step", 0)
         for key, value in kept.items():
             self.generator(torch.device(key)).set_state(value)
 
@@ -112,9 +171,13 @@ class StochasticRounder:
         it is first used. Every kept state is tried on a scratch generator, so a load that
         passes this check cannot fail half-way.
         """
-        if not isinstance(state, dict) or set(state) != {"seed", "generators"} or not isinstance(state["generators"], dict):
-            raise ValueError(f"{name}: expected a dict with 'seed' and 'generators', got {state!r}.")
+        if (not isinstance(state, dict) or not {"seed", "generators"} <= set(state) <= {"seed", "step", "generators"}
+                or not isinstance(state["generators"], dict)):
+            raise ValueError(f"{name}: expected a dict with 'seed', 'generators' (and 'step'), got {state!r}.")
         _check_seed(state["seed"], f"{name}['seed']")
+        step = state.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{name}['step']={step!r}: expected a non-negative integer.")
         kept = {}
         for key, value in state["generators"].items():
             where = f"{name}['generators'][{key!r}]"

@@ -40,3 +40,30 @@ def shard_of(whole: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(whole.detach(), ref.device_mesh, ref.placements).to_local()
+
+
+def global_index(t: torch.Tensor):
+    """Where the elements of ``local(t)`` (row-major) sit in ``t``'s full flat tensor: the first
+    one's index (an int) when the local part is one run of it (always for unsharded tensors
+    and FSDP2's dim-0 shards), else every element's (an int64 tensor of the local shape)."""
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return block_index(tuple(shape), tuple(t.shape), tuple(offset))
+
+
+def block_index(shape: tuple, whole: tuple, offset: tuple):
+    """:func:`global_index` of the block of ``shape`` at ``offset`` in a tensor of shape ``whole``."""
+    strides = [1] * len(whole)
+    for d in range(len(whole) - 2, -1, -1):
+        strides[d] = strides[d + 1] * whole[d + 1]
+    first = sum(o * s for o, s in zip(offset, strides))
+    lead = next((d for d, n in enumerate(shape) if n != 1), len(shape))  # coordinates fixed before it
+    if all(shape[d] == whole[d] for d in range(lead + 1, len(shape))):
+        return first
+    index = torch.full(shape, first, dtype=torch.int64)
+    for d, (n, s) in enumerate(zip(shape, strides)):
+        index += (torch.arange(n, dtype=torch.int64) * s).view([n if e == d else 1 for e in range(len(shape))])
+    return index

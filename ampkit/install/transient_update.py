@@ -5,7 +5,8 @@ any ``torch.optim`` optimizer steps on them through :class:`TransientUpdate`, ch
 chunk: a chunk's half parameters and gradients get float32 copies (views of one buffer,
 filled by one fused copy), which the optimizer steps on in their place (its
 state is keyed by the copies for that call); the results are rounded back into the half
-weights with one generator call, stochastically (``"stochastic"``) or to nearest. The
+weights, stochastically (``"stochastic"``, with the counter bits of ``core/counter_bits.py``:
+the same for any chunking or sharding) or to nearest. The
 copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMENTS`
 (a larger single tensor is its own chunk), and nothing fp32 persists but the optimizer
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
@@ -30,8 +31,8 @@ from torch._utils import _unflatten_dense_tensors
 from ..core.levels import HALF_DTYPES, STATE_8BIT
 from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
-from . import state_8bit
-from .shards import like, local, shard_of
+from . import fused_update, state_8bit
+from .shards import global_index, like, local, shard_of
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
 
@@ -56,7 +57,7 @@ def chunks(slots, limit: int) -> List[list]:
 class TransientUpdate:
     """Replaces the optimizer's own ``step`` inside ampkit's wrapped ``step`` (after the
     overflow check, so a skipped step never reaches it: weights, optimizer state and the
-    rounding generators stay untouched)."""
+    rounder's step counter stay untouched)."""
 
     def __init__(self, optimizer, step: Callable, rounding: str, rounder: Optional[StochasticRounder],
                  state_dtype: Optional[torch.dtype], model_states=None):
@@ -66,26 +67,42 @@ class TransientUpdate:
         self.model_states = model_states  # with remainder masters: the models' remainders
         self.rounder = rounder
         self.state_dtype = state_dtype
+        self.ids = {}  # parameter -> its index among the optimizer's (the counter bits' tensor)
 
-    def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        """``dsts[i] = srcs[i]`` (float32 into half), rounded with one generator call; ``srcs``
-        may be overwritten."""
+    def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], params: List[torch.Tensor],
+                   streams: Optional[List[int]] = None) -> None:
+        """``dsts[i] = srcs[i]`` (float32 into half, local shards), rounded stochastically with
+        the counter bits of ``params[i]`` (the parameter ``dsts[i]`` is, or whose state it is)
+        and ``streams[i]`` (0, the weight, by default), or to nearest; ``srcs`` may be
+        overwritten."""
         if not dsts:
             return
         if self.rounding == "stochastic" and all(d.dtype == torch.bfloat16 for d in dsts):
-            return self.rounder.round_(dsts, srcs)
+            streams = streams or [0] * len(dsts)
+            for stream in sorted(set(streams)):
+                picked = [i for i, s in enumerate(streams) if s == stream]
+                self.rounder.round_([dsts[i] for i in picked], [srcs[i] for i in picked],
+                                    [self.ids[params[i]] for i in picked], [global_index(params[i]) for i in picked], stream)
+            return
         torch._foreach_copy_(dsts, srcs)
 
     def __call__(self):
         opt = self.optimizer
+        self.ids = {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
         slots = [(g, i, p) for g in opt.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
         grads = {p: p.grad for _, _, p in slots}
+        fusable = [self._fusable(g, p, grads[p]) for g, _, p in slots]
+        fused = [(g, p) for (g, _, p), f in zip(slots, fusable) if f]
+        slots = [s for s, f in zip(slots, fusable) if not f]
         for p in grads:
             p.grad = None  # each chunk's step sees only its own gradients
         parts = chunks(slots, CHUNK_ELEMENTS)
         several = len(parts) > 1  # then each call starts from the groups as the step found them
         result, before, after = None, _group_settings(opt) if several else {}, {}
+        held = len(opt.state)
         try:
+            if fused:
+                fused_update.step(opt, fused, grads, self.state_dtype, self.rounder, self.ids)
             for k, chunk in enumerate(parts):
                 if k:
                     _restore_group_settings(opt, before)
@@ -97,13 +114,22 @@ class TransientUpdate:
                 p.grad = g
         if several:
             _restore_group_settings(opt, {**before, **after})  # one step's worth of group counters
+        if fused or len(opt.state) != held:  # the fused path never re-keys: keep one order, the parameters'
+            _order_state(opt, self.ids)
+        if self.rounder is not None:
+            self.rounder.advance()
         return result
+
+    def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether ``p`` steps in O7's fused AdamW (``fused_update.py``) rather than the chunks."""
+        return (self.rounding == "stochastic" and self.model_states is None
+                and self.state_dtype in (None, torch.float32, torch.bfloat16) and fused_update.enabled()
+                and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
 
     def _step_chunk(self, chunk, grads):
         """One optimizer call on fp32 copies of the chunk's half parameters, gradients and
         half state (views of one buffer, so one allocation and one fused copy); then the
-        weights, and the state when it is stored in half, are rounded back (one generator
-        call each)."""
+        weights, and the state when it is stored in half, are rounded back."""
         opt, swapped = self.optimizer, []
         half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
         stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
@@ -140,7 +166,7 @@ class TransientUpdate:
                 if rems is not None:
                     split_(weights, rems, copies)
                 else:
-                    self.round_into(weights, copies)
+                    self.round_into(weights, copies, half)
                 self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], False,
                              {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed})
             return result
@@ -172,16 +198,21 @@ class TransientUpdate:
             return
         if self.state_dtype == STATE_8BIT:
             return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {})
-        round_into = _copy_into if exact else self.round_into
-        found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != self.state_dtype]
+        found = [(st, k, v, p, 1 + j) for st, p in states
+                 for j, (k, v) in enumerate((k, v) for k, v in st.items() if _elementwise(k, v, p))
+                 if v.dtype != self.state_dtype]  # stream 1 + j: the parameter's j-th elementwise state
         if not found:
             return
         stored = stored or {}
-        dsts = [stored.get((id(st), k)) for st, k, _ in found]
-        dsts = [torch.empty_like(v, dtype=self.state_dtype) if d is None else d for d, (_, _, v) in zip(dsts, found)]
+        dsts = [stored.get((id(st), k)) for st, k, *_ in found]
+        dsts = [torch.empty_like(v, dtype=self.state_dtype) if d is None else d for d, (_, _, v, *_) in zip(dsts, found)]
         with torch.no_grad():
-            round_into([local(d) for d in dsts], [local(v).float() for _, _, v in found])
-        for (st, k, _), d in zip(found, dsts):
+            srcs = [local(v).float() for _, _, v, *_ in found]
+            if exact:
+                _copy_into([local(d) for d in dsts], srcs)
+            else:
+                self.round_into([local(d) for d in dsts], srcs, [p for *_, p, _ in found], [s for *_, s in found])
+        for (st, k, *_), d in zip(found, dsts):
             st[k] = d
 
     def load_state_dict(self, load: Callable, state_dict: dict) -> None:
@@ -233,6 +264,13 @@ def _restore_group_settings(opt, settings: dict) -> None:
             del g[k]
     for (i, k), v in settings.items():
         opt.param_groups[i][k] = v
+
+
+def _order_state(opt, ids: dict) -> None:
+    """``opt.state``'s entries in the order of ``ids`` (parameter -> index), others last."""
+    entries = sorted(opt.state.items(), key=lambda kv: ids.get(kv[0], len(ids)))
+    opt.state.clear()
+    opt.state.update(entries)
 
 
 def _load_state_dict(optimizer, state_dict: dict) -> None:

@@ -116,13 +116,14 @@ def test_deterministic_under_a_seed():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_rounder_state_dict_resumes_the_stream():
+def test_rounder_state_dict_resumes_the_step_and_the_generators():
     x = torch.randn(1000)
 
     def draw(rounder):
         out = torch.empty(1000, dtype=torch.bfloat16)
-        rounder.round_([out], [x.clone()])  # srcs are scratch
-        return out
+        rounder.round_([out], [x.clone()], [0], [0])  # srcs are scratch
+        rounder.advance()
+        return out, torch.randint(0, 2**16, (8,), generator=rounder.generator(torch.device("cpu")))
 
     r = StochasticRounder(seed=3)
     draw(r)
@@ -130,11 +131,27 @@ def test_rounder_state_dict_resumes_the_stream():
     first = draw(r)
     other = StochasticRounder(seed=99)
     other.load_state_dict(saved)
-    assert other.seed == 3 and torch.equal(draw(other), first)
+    assert other.seed == 3 and other.step == 1 and saved["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(draw(other), first))
+
+
+def test_a_state_without_a_step_counter_continues_from_its_seed_at_step_0():
+    """Checkpoints written before the counter bits hold only the seed and the generators."""
+    old = StochasticRounder(seed=3)
+    old.generator(torch.device("cpu"))
+    state = old.state_dict()
+    del state["step"]
+    r = StochasticRounder(seed=5)
+    r.step = 7
+    r.load_state_dict(state)
+    assert r.seed == 3 and r.step == 0 and torch.equal(r.state_dict()["generators"]["cpu"], state["generators"]["cpu"])
 
 
 @pytest.mark.parametrize("state, match", [
-    ("x", "expected a dict with 'seed' and 'generators'"),
+    ("x", "expected a dict with 'seed', 'generators'"),
+    ({"seed": 0, "generators": {}, "step": -1}, r"\['step'\]=-1"),
+    ({"seed": 0, "generators": {}, "step": 1.0}, r"\['step'\]=1.0"),
+    ({"seed": 0, "generators": {}, "other": 1}, "expected a dict with"),
     ({"seed": -1, "generators": {}}, r"\['seed'\]=-1"),
     ({"seed": 0, "generators": {"nodevice": torch.Generator().get_state()}}, "'nodevice' is not a device"),
     ({"seed": 0, "generators": {"cpu": torch.zeros(3)}}, "expected a generator state"),

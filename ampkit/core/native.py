@@ -1,0 +1,158 @@
+"""Fused CPU kernels in C, built on first use with the system's C compiler and cached.
+
+One pass per chunk for O7's update: read the gradient, the weight and the optimizer state
+once, write the weight and the state once, with the stochastic rounding's counter bits
+(``core/counter_bits.py``) computed inside. The source is plain C (no torch headers, so the
+build takes about a second, not the minute of a ``torch.utils.cpp_extension`` build); it is
+compiled with ``-ffp-contract=off`` and without fast-math, so every float operation is one
+IEEE-rounded operation, exactly as in the eager torch reference, and the results are bit
+for bit the eager path's whatever SIMD width the compiler picks. The library is cached
+under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), keyed by the source, the flags,
+the compiler and the CPU's feature flags; where there is no compiler (or the build fails)
+one line is logged and :func:`library` returns ``None``: the callers then run the eager
+path, with the same numbers. Calls run on ``torch.get_num_threads()`` Python threads over
+disjoint ranges (ctypes releases the GIL), which cannot change a result: each element is
+computed on its own.
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from .logs import logger
+
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c99"]
+MIN_PER_THREAD = 1 << 15  # elements: below this a call stays on one thread
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define GAMMA 0x9E3779B97F4A7C15ULL
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+static inline uint64_t word(uint64_t key, int64_t i) { return mix64(key + (uint64_t)(i + 1) * GAMMA); }
+static inline float widen(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t narrow(float f, uint64_t d16) {  /* + a uniform 16-bit integer, truncated */
+    uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + (uint32_t)d16) >> 16);
+}
+
+void round_bf16(const float *src, uint16_t *dst, int64_t n, int64_t first, uint64_t key, int shift) {
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = narrow(src[i], (word(key, first + i) >> shift) & 0xFFFF);
+}
+
+/* c: decay, l2, beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, step size, sign */
+#define ADAMW_BODY(LOAD_M, LOAD_V, STORE_M, STORE_V)                               \
+    for (int64_t i = 0; i < n; i++) {                                               \
+        float g = widen(grad[i]) * c[9];                                            \
+        float p = widen(w[i]);                                                      \
+        g = g + p * c[1];                                                           \
+        p = p * c[0];                                                               \
+        float m = LOAD_M * c[2] + g * c[3];                                         \
+        float v = LOAD_V * c[4] + (g * g) * c[5];                                   \
+        float denom = sqrtf(v) / c[6] + c[7];                                       \
+        p = p - (m / denom) * c[8];                                                 \
+        uint64_t a = word(key0, first + i);                                         \
+        w[i] = narrow(p, (a >> 16) & 0xFFFF);                                       \
+        STORE_M; STORE_V;                                                           \
+    }
+
+void adamw_fp32_state(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
+                      uint64_t key0, uint64_t key1, const float *c) {
+    (void)key1;
+    ADAMW_BODY(ms[i], vs[i], ms[i] = m, vs[i] = v)
+}
+
+void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
+                      uint64_t key0, uint64_t key1, const float *c) {
+    ADAMW_BODY(widen(ms[i]), widen(vs[i]), ms[i] = narrow(m, a >> 48),
+               vs[i] = narrow(v, (word(key1, first + i) >> 16) & 0xFFFF))
+}
+"""
+
+_state = {}  # "lib": the loaded library or None (tried), "pool": the thread pool
+
+
+def cache_dir() -> str:
+    return os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> str:
+    """The cached library's path, compiled first if it is not there."""
+    tag = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), compiler, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), "kernels", f"ampkit_kernels_{tag}.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+            src, out = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
+            with open(src, "w") as f:
+                f.write(SOURCE)
+            subprocess.run([compiler, *FLAGS, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(out, path)  # atomic: a concurrent build writes the same bytes
+    return path
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The kernels, built on first use; ``None`` (logged once) where they cannot be built, or
+    where ``AMPKIT_NATIVE=0`` turns them off."""
+    if "lib" in _state:
+        return _state["lib"]
+    lib = None
+    if os.environ.get("AMPKIT_NATIVE", "1") != "0":
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        try:
+            if compiler is None:
+                raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on the PATH")
+            lib = ctypes.CDLL(_build(compiler))
+            for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state"):
+                getattr(lib, name).restype = None
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            logger.warning("ampkit: fused CPU kernels unavailable (%s%s); using the eager path (same numbers, slower).",
+                           e, (": " + detail.decode(errors="replace").strip().splitlines()[0]) if detail.strip() else "")
+            lib = None
+    _state["lib"] = lib
+    return lib
+
+
+def run(fn, n: int, call) -> None:
+    """``call(fn, lo, hi)`` over ``[0, n)`` cut into one range per torch thread (one call when
+    ``n`` is small), in parallel."""
+    threads = max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
+    if threads == 1:
+        return call(fn, 0, n)
+    pool = _state.get("pool")
+    if pool is None or pool._max_workers < threads:
+        pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="ampkit-kernels")
+    bounds = [n * t // threads for t in range(threads + 1)]
+    for f in [pool.submit(call, fn, a, b) for a, b in zip(bounds, bounds[1:])]:
+        f.result()
+
+
+def ptr(t: torch.Tensor, at: int = 0) -> ctypes.c_void_p:
+    """The address of element ``at`` of contiguous ``t``."""
+    return ctypes.c_void_p(t.data_ptr() + at * t.element_size())
+
+
+def u64(x: int) -> ctypes.c_uint64:
+    return ctypes.c_uint64(x & ((1 << 64) - 1))

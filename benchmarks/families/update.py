@@ -1,0 +1,144 @@
+"""7. update: the optimizer update alone, per level, against its memory-traffic bound
+   (``python benchmarks/run.py --only update [--quick]``). Target: each level <= 1.5x its bound.
+
+AdamW on a model of a few large parameters whose loss is linear in them (so the backward pass
+is one cheap pass and every variant sees the same gradients). Timed: from the end of
+``backward()`` (leaving ``scale_loss``, where O5 moves the gradients to its masters, then
+``opt.step()``), every variant in turn each step (order reversed on odd steps), medians after
+2 warm-up steps. Variants: O5, remainder masters, O7 and O7 with bf16 state (fused AdamW:
+``ampkit/core/fused_adamw.py``, one pass), the same two through the optimizer's own step
+(``AMPKIT_FUSED=0``; on CUDA, where the kernel does not run, both rows take that step), O8, and torch's ``AdamW(fused=True)`` on a float32 model (the anchor a
+fused fp32 update should reach).
+
+Columns: ``ideal B``: the fewest bytes per parameter the update must read and write (each
+tensor once); ``moved B``: the bytes per parameter the path's kernels move, counted from
+the kernels it runs (the one-pass kernel: the ideal; the eager paths: each torch op's reads
+and writes; "-" where not counted); ``GB/s``: ideal bytes over the time; ``vs O5``: time over
+O5's; ``bound ms``: ideal bytes over the bandwidth of a large float32 copy (2n elements) timed in
+the same alternation, so under the same load; ``vs bound``: time over that bound (the issue's target: <= 1.5x).
+"""
+import os
+import time
+from statistics import median
+
+import torch
+from torch import nn
+
+import ampkit
+
+from common import _sync, table, timed
+
+# name: (level, initialize overrides, fused AdamW on, ideal bytes, moved bytes (counted) or None)
+VARIANTS = {
+    "O5": ("O5", {}, True, 2 + 8 + 16 + 2, 100),
+    "remainder": ("O5", {"master_weights": "remainder"}, True, 6 + 4 + 16, None),
+    "O7 fused": ("O7", {}, True, 4 + 2 + 16, 4 + 2 + 16),
+    "O7 bf16 state fused": ("O7", {"optimizer_state_dtype": torch.bfloat16}, True, 4 + 2 + 8, 4 + 2 + 8),
+    "O7 eager": ("O7", {}, False, 4 + 2 + 16, 135),
+    "O7 bf16 state eager": ("O7", {"optimizer_state_dtype": torch.bfloat16}, False, 4 + 2 + 8, 215),
+    "O8": ("O8", {}, True, 4 + 2 + 4, 600),
+    "torch AdamW fused fp32": (None, {}, True, 4 + 8 + 16, 4 + 8 + 16),
+}
+
+
+COPY = "copy"  # the bandwidth probe's key: a float32 copy_ alternating with the variants
+
+
+class Linear(nn.Module):
+    """Four parameters of ``n / 4`` elements; the loss is linear in them (gradient ``c``)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.randn(n // 4 // 256, 256) * 0.02) for _ in range(4)])
+        self.register_buffer("c", torch.randn(256) * 1e-3, persistent=False)
+
+    def forward(self, x):
+        return sum((w * self.c).sum() for w in self.ws) + x.sum() * 0
+
+
+def build(name: str, n: int, device):
+    level, overrides, _, _, _ = VARIANTS[name]
+    torch.manual_seed(0)
+    model = Linear(n).to(device)
+    if level is None:
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return ampkit.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+
+
+def one_step(name, model, opt, x, device) -> float:
+    """Seconds of the update of one step (see the module docstring)."""
+    os.environ["AMPKIT_FUSED"] = "1" if VARIANTS[name][2] else "0"
+    opt.zero_grad()
+    loss = model(x)
+    if VARIANTS[name][0] is None:
+        loss.backward()
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+    else:
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            _sync(device)
+            start = time.perf_counter()
+        opt.step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def bench_update(cfg: dict, device, threads: int, log) -> dict:
+    names = [n for n in VARIANTS if VARIANTS[n][0] is None or VARIANTS[n][0] in ampkit.core.levels.OPT_LEVELS]
+    n, steps = cfg["update_params"], cfg["update_steps"]
+    log(f"{n} parameters, {len(names)} variants and a copy probe, {steps} steps")
+    loops = {}
+    for name in names:
+        log(f"build {name}")
+        loops[name] = build(name, n, device)
+    x = torch.zeros(1, device=device)
+    src = torch.ones(2 * n, device=device)  # the probe: 16 bytes per parameter read and written
+    dst = torch.empty_like(src)
+    times = {name: [] for name in names + [COPY]}
+    saved = os.environ.get("AMPKIT_FUSED")
+    try:
+        for i in range(steps + 2):
+            order = names + [COPY] if i % 2 == 0 else [COPY] + names[::-1]
+            for name in order:
+                t = timed(dst.copy_, device, src) if name == COPY else one_step(name, *loops[name], x, device)
+                if i >= 2:
+                    times[name].append(t)
+            log(f"step {i + 1}/{steps + 2}" + (" (warm-up)" if i < 2 else ""))
+    finally:
+        if saved is None:
+            os.environ.pop("AMPKIT_FUSED", None)
+        else:
+            os.environ["AMPKIT_FUSED"] = saved
+    gbps = 16 * n / median(times[COPY]) / 1e9  # copy bandwidth in the same alternation, under the same load
+    o5 = median(times["O5"])
+    rows = []
+    for name in names:
+        t = median(times[name])
+        ideal, moved = VARIANTS[name][3], VARIANTS[name][4]
+        bound = ideal * n / (gbps * 1e9)
+        rows.append({"variant": name, "ms": 1e3 * t, "least_ms": 1e3 * min(times[name]), "ideal_bytes": ideal,
+                     "moved_bytes": moved, "gbps": ideal * n / t / 1e9, "vs_O5": t / o5,
+                     "bound_ms": 1e3 * bound, "vs_bound": t / bound})
+    return {"params": n, "steps": steps, "threads": threads, "copy_gbps": gbps, "device": str(device), "rows": rows}
+
+
+def run(cfg, device, args, log) -> dict:
+    return bench_update(cfg, device, args.threads, log)
+
+
+def report(result: dict) -> list:
+    head = (f"\n7. Update: AdamW update alone, {result['params']} parameters, {result['steps']} steps alternating, "
+            f"{result['threads']} threads, copy bandwidth {result['copy_gbps']:.1f} GB/s ({result['device']})")
+    return [head, table(result["rows"], [
+        ("variant", "variant", "{}"), ("ms", "ms", "{:.2f}"), ("least ms", "least_ms", "{:.2f}"),
+        ("ideal B", "ideal_bytes", "{}"), ("moved B", "moved_bytes", "{}"), ("GB/s", "gbps", "{:.2f}"),
+        ("vs O5", "vs_O5", "{:.3f}x"), ("bound ms", "bound_ms", "{:.2f}"), ("vs bound", "vs_bound", "{:.2f}x")])]
+
+
+def targets(result: dict) -> list:
+    """Each ampkit level's update within 1.5x of its bound; the fused fp32 anchor for comparison."""
+    return [{"target": f"update {r['variant']} <= 1.5x its bound", "measured": f"{r['vs_bound']:.2f}x",
+             "met": r["vs_bound"] <= 1.5} for r in result["rows"] if not r["variant"].startswith("torch")]

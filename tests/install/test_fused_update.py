@@ -1,0 +1,227 @@
+"""O7's fused AdamW: the C kernel equals the eager reference bit for bit (odd sizes,
+non-contiguous and empty tensors, skipped steps, resumes, shards, threads), the reference
+follows torch's AdamW, and a machine without a compiler gets the same numbers."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit
+from ampkit.core import native
+from ampkit.core.fused_adamw import Hyper, step_
+from ampkit.core.registry import current as current_run
+from ampkit.install import fused_update
+
+HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
+          Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0)]  # Adam with L2 decay, maximize
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = native.library()
+    if built is None:
+        pytest.skip("no C compiler here: the eager path is all there is (checked by test_no_compiler_...)")
+    return built
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def tensors(n: int, state_dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g).bfloat16(), (torch.randn(n, generator=g) * 1e-2).bfloat16(),
+            (torch.randn(n, generator=g) * 1e-3).to(state_dtype), (torch.rand(n, generator=g) * 1e-5).to(state_dtype)]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hyper", HYPERS)
+@pytest.mark.parametrize("n", [0, 1, 7, 1001, 3 * native.MIN_PER_THREAD + 5])
+def test_kernel_equals_the_eager_reference(lib, n, hyper, state_dtype):
+    ref = tensors(n, state_dtype)
+    got = [t.clone() for t in ref]
+    step_(*ref, hyper, 5, 2, 1, 17, lib=None)
+    step_(*got, hyper, 5, 2, 1, 17, lib=lib)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ref, got))
+    if n > 100:  # it stepped: weights and state moved
+        fresh = tensors(n, state_dtype)
+        assert not torch.equal(ref[0], fresh[0]) and not torch.equal(ref[2], fresh[2])
+
+
+def test_kernel_on_non_contiguous_tensors_and_any_thread_count(lib):
+    """The eager reference, the kernel on one thread and on two (two ranges), and the kernel
+    on non-contiguous tensors (stepped through contiguous copies): the same bits."""
+    n = 2 * native.MIN_PER_THREAD + 3
+    base = tensors(n, torch.bfloat16)
+    runs = {k: [t.clone() for t in base] for k in ("eager", "one", "two")}
+    runs["strided"] = [torch.empty(2 * n, dtype=t.dtype)[::2].copy_(t) for t in base]  # stride 2
+    assert not runs["strided"][0].is_contiguous() and torch.equal(runs["strided"][0], base[0])
+    threads = torch.get_num_threads()
+    try:
+        step_(*runs["eager"], HYPERS[0], 1, 2, 3, 0, lib=None)
+        for key, count in (("one", 1), ("two", 2), ("strided", 2)):
+            torch.set_num_threads(count)
+            step_(*runs[key], HYPERS[0], 1, 2, 3, 0, lib=lib)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("one", "two", "strided"):
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(runs["eager"], runs[key])), key
+
+
+@pytest.mark.parametrize("use_lib", [False, True])
+def test_shards_step_as_the_whole_parameter(lib, use_lib):
+    """A parameter stepped whole equals its pieces stepped from their offsets (FSDP2's shards
+    of any world size, simulated in one process)."""
+    whole = tensors(1000, torch.bfloat16)
+    pieces = [t.clone() for t in whole]
+    step_(*whole, HYPERS[0], 9, 4, 2, 0, lib=lib if use_lib else None)
+    for a, b in [(0, 333), (333, 334), (334, 1000)]:
+        step_(*(t[a:b] for t in pieces), HYPERS[0], 9, 4, 2, a, lib=lib if use_lib else None)
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(whole, pieces))
+
+
+def test_the_reference_follows_torch_adamw():
+    """One step from the same fp32 state: ``m`` and ``v`` within a few float32 roundings of
+    their terms of torch's, and the weights rounded with the same bits land on the same bfloat16 but where
+    the float32 results straddle a rounding threshold (at most 1 bf16 ulp apart, rarely)."""
+    n = 100_000
+    w, g, m, v = tensors(n, torch.float32)
+    shadow = w.float().clone().requires_grad_()
+    opt = torch.optim.AdamW([shadow], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    opt.state[shadow] = {"step": torch.tensor(2.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    shadow.grad = g.float()
+    opt.step()
+    m0, v0, g32 = m.clone(), v.clone(), g.float()
+    step_(w, g, m, v, HYPERS[0], 0, 0, 0, 0)
+    st = opt.state[shadow]
+    # a few roundings of the terms each way (the sums may cancel, so relative to the terms)
+    assert ((m - st["exp_avg"]).abs() <= 4 * 2**-24 * (0.9 * m0.abs() + 0.1 * g32.abs())).all()
+    assert ((v - st["exp_avg_sq"]).abs() <= 4 * 2**-24 * (0.999 * v0 + 0.001 * g32.square())).all()
+    theirs = torch.empty(n, dtype=torch.bfloat16)
+    from ampkit.core.rounding import round_counter_
+    round_counter_(theirs, shadow.detach().clone(), 0, 0, 0, 0, 0)
+    differ = (bits(theirs) != bits(w))
+    assert differ.float().mean() < 1e-3
+    assert ((bits(theirs).int() - bits(w).int()).abs() <= 1).all()
+
+
+class Net(nn.Module):
+    """Odd sizes, an empty layer and a non-contiguous parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.empty = nn.Linear(7, 13), nn.Linear(13, 3), nn.Linear(3, 0)
+        self.extra = nn.Parameter(torch.randn(5, 3).t())
+
+    def forward(self, x):
+        out = self.b(torch.tanh(self.a(x)))
+        return out.sum(1, keepdim=True) + (self.extra.sum() + self.empty(out).sum()) * 0.1
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 7, generator=g), torch.randn(16, 1, generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data, poison=()):
+    for k, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y) * (float("inf") if k in poison else 1.0)
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+def o7(state_dtype, adam="adamw"):
+    model = make_model()
+    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+           "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True)}[adam](model.parameters())
+    return ampkit.initialize(model, opt, opt_level="O7", optimizer_state_dtype=state_dtype, verbosity=0)
+
+
+def snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()["state"])
+
+
+def same(a, b) -> bool:
+    (wa, sa), (wb, sb) = a, b
+    return (all(torch.equal(bits(x), bits(y)) for x, y in zip(wa, wb)) and sa.keys() == sb.keys()
+            and all(sa[i].keys() == sb[i].keys() and all(torch.equal(bits(sa[i][k]), bits(sb[i][k])) for k in sa[i])
+                    for i in sa))
+
+
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_training_with_the_kernel_equals_the_eager_path(lib, monkeypatch, tmp_path, state_dtype, adam):
+    """Four steps with a skipped one, saved, then two more after a load into a fresh run:
+    kernel and eager path agree bit for bit at each point, and the resumed run equals the
+    uninterrupted one."""
+    data = batches(6)
+    runs = {}
+    for kind in ("kernel", "eager"):
+        monkeypatch.setattr(native, "_state", {} if kind == "kernel" else {"lib": None})
+        model, opt = o7(state_dtype, adam)
+        assert all(fused_update.eligible(opt, opt.param_groups[0], p, p.detach(), state_dtype) for p in model.parameters())
+        train(model, opt, data[:4], poison=(1,))
+        assert current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounding.step == 3
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)},
+                   tmp_path / f"{kind}.pt")
+        middle = snapshot(model, opt)
+        train(model, opt, data[4:])
+        resumed, resumed_opt = o7(state_dtype, adam)
+        ckpt = torch.load(tmp_path / f"{kind}.pt")
+        resumed.load_state_dict(ckpt["model"])
+        resumed_opt.load_state_dict(ckpt["optimizer"])
+        ampkit.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
+        train(resumed, resumed_opt, data[4:])
+        runs[kind] = middle, snapshot(model, opt), snapshot(resumed, resumed_opt)
+        assert same(runs[kind][1], runs[kind][2])
+        state = opt.state[model.a.weight]
+        assert state["exp_avg"].dtype == (state_dtype or torch.float32) and state["step"].item() == 5.0
+    assert all(same(a, b) for a, b in zip(runs["kernel"], runs["eager"]))
+    assert not same(runs["kernel"][0], runs["kernel"][1])
+
+
+def test_no_compiler_logs_one_line_and_gives_the_same_numbers(lib, monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="ampkit"):
+        assert native.library() is None and native.library() is None
+    lines = [r.getMessage() for r in caplog.records if "fused CPU kernels unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "eager path" in lines[0]
+    ref = tensors(999, torch.bfloat16)
+    got = [t.clone() for t in ref]
+    step_(*ref, HYPERS[0], 1, 1, 1, 0, lib=lib)
+    step_(*got, HYPERS[0], 1, 1, 1, 0, lib=native.library())
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ref, got))
+
+
+def test_the_build_is_cached(lib, monkeypatch, tmp_path):
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    import shutil
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    path = native._build(compiler)
+    stamp = (tmp_path / "kernels").stat().st_mtime_ns, __import__("os").stat(path).st_mtime_ns
+    assert native._build(compiler) == path
+    assert ((tmp_path / "kernels").stat().st_mtime_ns, __import__("os").stat(path).st_mtime_ns) == stamp
+
+
+def test_ineligible_optimizers_and_settings_take_the_optimizer_step():
+    p = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    g = torch.zeros(3, dtype=torch.bfloat16)
+    for opt in (torch.optim.AdamW([p], amsgrad=True), torch.optim.SGD([p], lr=0.1), torch.optim.NAdam([p])):
+        assert not fused_update.eligible(opt, opt.param_groups[0], p, g, None)
+    opt = torch.optim.AdamW([p])
+    assert fused_update.eligible(opt, opt.param_groups[0], p, g, None)
+    assert not fused_update.eligible(opt, opt.param_groups[0], p, g.float(), None)  # a float32 gradient
+    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    assert not fused_update.eligible(opt, opt.param_groups[0], p, g, torch.bfloat16)  # state not as this path keeps it
