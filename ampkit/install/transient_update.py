@@ -141,7 +141,7 @@ class TransientUpdate:
                     split_(weights, rems, copies)
                 else:
                     self.round_into(weights, copies)
-                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], False,
+                self._narrow([(opt.state[f], f) for _, _, _, f in swapped if f in opt.state], False,
                              {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed})
             return result
         finally:
@@ -171,7 +171,8 @@ class TransientUpdate:
         if self.state_dtype is None or self.state_dtype == torch.float32:
             return
         if self.state_dtype == STATE_8BIT:
-            return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {})
+            return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {},
+                                   self.optimizer)
         round_into = _copy_into if exact else self.round_into
         found = [(st, k, v) for st, p in states for k, v in st.items() if _elementwise(k, v, p) and v.dtype != self.state_dtype]
         if not found:
