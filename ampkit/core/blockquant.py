@@ -56,22 +56,35 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=
     if not x.numel():
         return
     signed = q.dtype == torch.int8
-    if signed:
-        y = x.abs().nan_to_num_(nan=0.0, posinf=0.0)  # non-finite values: their own code, below
-    else:
-        nan_code, inf_code = x.ge(0.0).logical_not_(), x.gt(_TOP[torch.uint8] * 2.0 ** 127)
-        y = x.masked_fill(nan_code.logical_or(inf_code), 0.0)
+    special = _special(x, signed)
+    y = x.abs()
+    for mask, _ in special:
+        y.masked_fill_(mask, 0.0)  # no part in the block's scale
     scales.copy_(_scales(y, q.dtype, block_size))
     _by_block_(y, scales, block_size, torch.Tensor.div_)
     low, frac = _split_linear(y) if signed else _split_e4m4(y)
     draw = _draws(x.numel(), x.device, generator)
     low.add_(draw.float().lt_(frac.mul_(1 << 24)))
     if limit is not None:
-        torch.fmin(low, _by_block_(limit, scales, block_size, torch.Tensor.div_).floor_(), out=low)
+        cap = _by_block_(limit, scales, block_size, torch.Tensor.div_).floor_()
+        low.clamp_max_(cap.nan_to_num_(nan=float("inf"), posinf=float("inf")))
+    q.copy_(low.copysign_(x) if signed else low)
+    for mask, code in special:
+        q.masked_fill_(mask, code)
+
+
+def _special(x: torch.Tensor, signed: bool) -> list:
+    """``(mask, code)`` of the values of ``x`` with a code of their own: NaN and +-inf (uint8:
+    NaN, negative; +inf and above the top code). None on the CPU when one pass finds none
+    (on an accelerator that check would synchronize; the masks cost less)."""
+    top = _TOP[torch.uint8] * 2.0 ** 127
+    if x.device.type == "cpu":
+        lo, hi = torch.aminmax(x)  # NaN if any is
+        if (lo.isfinite() & hi.isfinite()).item() if signed else (lo.ge(0) & hi.le(top)).item():
+            return []
     if signed:
-        q.copy_(low.copysign_(x)).masked_fill_(x.isfinite().logical_not_(), NAN_INT8)
-    else:
-        q.copy_(low).masked_fill_(nan_code, NAN_UINT8).masked_fill_(inf_code, INF_UINT8)
+        return [(x.isfinite().logical_not_(), NAN_INT8)]
+    return [(x.ge(0.0).logical_not_(), NAN_UINT8), (x.gt(top), INF_UINT8)]
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_size: int = 256) -> torch.Tensor:

@@ -197,7 +197,8 @@ def _limit(group, x: torch.Tensor, values, caps: dict, roots: dict):
     if squares:
         torch._foreach_mul_(squares, squares)
     torch._foreach_mul_(dsts, [cap[1] for _, cap in capped])
-    x.masked_fill_(limit.isinf(), 0.0)
+    if x.device.type != "cpu" or not math.isfinite(limit.nansum()):  # on the CPU: only when one is
+        x.masked_fill_(limit.isinf(), 0.0)
     return limit
 
 
@@ -211,6 +212,35 @@ def _floats(values) -> List[float]:
         for i, f in zip(idx, torch.stack([local(values[i]).detach().reshape(()).float() for i in idx]).tolist()):
             out[i] = f
     return [float(v) for v in out]
+
+
+def keep(opt_state, params) -> list:
+    """What a skipped step puts back (:func:`restore`), taken before :func:`widen`: each of
+    ``params``' state entries (its codes and scales as they are, its other tensors cloned:
+    the optimizer changes ``step`` and the like in place), and a float32 parameter's values."""
+    with torch.no_grad():
+        return [(p, None if st is None else {k: _kept(k, v) for k, v in st.items()},
+                 p.detach().clone() if p.dtype == torch.float32 else None)
+                for p in params for st in (opt_state.get(p),)]
+
+
+def restore(opt_state, kept: list, key_of) -> None:
+    """Put back what :func:`keep` took; each parameter's state is now under ``key_of(p)``."""
+    with torch.no_grad():
+        for p, entries, values in kept:
+            if entries is None:
+                opt_state.pop(key_of(p), None)
+            else:
+                st = opt_state[key_of(p)]
+                st.clear()
+                st.update(entries)
+            if values is not None:
+                p.copy_(values)
+
+
+def _kept(key, value):
+    packed = isinstance(key, str) and key.endswith((CODES, SCALES))
+    return value.clone() if torch.is_tensor(value) and not packed else value
 
 
 def _groups(entries, tensor_of, code_of=None) -> dict:

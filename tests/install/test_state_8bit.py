@@ -472,3 +472,53 @@ def test_per_step_scalars_of_a_0_dim_parameter_stay_exact(name, make, scalars):
         assert st[k].dtype == torch.float32 and st[k].shape == () and torch.equal(st[k], ref.state[ref_p][k])
     moments = [k for k in ref.state[ref_p] if k not in scalars]
     assert moments and all(k not in st and st[k + state_8bit.CODES].shape == () for k in moments)
+
+
+class _DotAndNorm(nn.Module):
+    """A half weight vector ``w`` (its gradient is the input) and a float32 BatchNorm."""
+
+    def __init__(self, n, start=0.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((n,), start))
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return (self.w * x).sum() + self.bn(torch.arange(6.0).view(2, 3)).square().sum()
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum_overflows", "adam_first_step_overflows"])
+def test_a_step_that_would_write_a_non_finite_weight_is_skipped(case, caplog):
+    """Finite gradients whose update overflows a weight: the step is skipped like an overflow
+    (``step_was_skipped``, a warning naming the parameter): the half and float32 weights, the
+    stored state (codes, scales, step counters; none on a first step) and the rounding
+    generators stay as they were, and the next step trains on."""
+    n = 600
+    if case == "sgd_momentum_overflows":  # momentum 3e38, then 0.9 * 3e38 + 1 more: past float32's range
+        model = _DotAndNorm(n)
+        make, lead = (lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9)), [torch.ones(n), torch.ones(n)]
+        lead[1][5] = 3e38
+    else:  # a weight near the top of bfloat16 and a learning rate of 3e37 (an update of 3e37 up)
+        model = _DotAndNorm(n, start=3.3e38)
+        make, lead = (lambda ps: torch.optim.Adam(ps, lr=3e37)), []
+    model, opt = ampkit.initialize(model, make(model.parameters()), opt_level="O8", verbosity=1)
+    for x in lead:
+        train_on(model, opt, x)
+        assert not ampkit.step_was_skipped(opt) and torch.isfinite(model.w).all()
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = raw_state(opt)
+    rng = copy.deepcopy(current_run("test").rounding.state_dict())
+    with caplog.at_level("WARNING", logger="ampkit"):
+        train_on(model, opt, torch.ones(n) * (1 if lead else -1))
+    assert ampkit.step_was_skipped(opt)
+    assert "Non-finite weights from the optimizer's update of w: not written" in caplog.text and "Skipping step" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = raw_state(opt)
+    assert after.keys() == state.keys() and all(torch.equal(state[k], after[k]) for k in state)
+    assert (case == "adam_first_step_overflows") == (model.w not in opt.state or not opt.state[model.w])
+    now = current_run("test").rounding.state_dict()
+    assert all(torch.equal(rng["generators"][d], g) for d, g in now["generators"].items())
+    for group in opt.param_groups:
+        group["lr"] = 1e-3
+    train_on(model, opt, torch.ones(n))
+    assert not ampkit.step_was_skipped(opt) and torch.isfinite(model.w).all() and set(raw_state(opt)) >= set(state)
+    assert not all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
