@@ -75,7 +75,7 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=
 
 def _special(x: torch.Tensor, signed: bool) -> list:
     """``(mask, code)`` of the values of ``x`` with a code of their own: NaN and +-inf (uint8:
-    NaN, negative; +inf and above the top code). None on the CPU when one pass finds none
+    NaN, negative; +inf and above the top code). Empty on the CPU when one pass finds none
     (on an accelerator that check would synchronize; the masks cost less)."""
     top = _TOP[torch.uint8] * 2.0 ** 127
     if x.device.type == "cpu":
