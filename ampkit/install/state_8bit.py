@@ -14,13 +14,16 @@ blocks, and so the scales, stay per tensor whatever the chunking.
 
 Rounded apart, a first moment could round up while its second moment rounds to zero, and
 the next update would be ``m / eps``. So the first moments of :data:`BOUNDED` optimizers
-are stored capped by what their exact recursions allow: Adam's ``|m_t| <= A_t sqrt(v_t)``
-with ``A_t**2 = (1-b1)**2 / (1-b2) * sum_{j<t} (b1**2/b2)**j`` (Cauchy-Schwarz; the
-supremum over all gradient sequences), taken against the stored ``sqrt(v_t)``: an update
-is never larger than exact Adam's largest at that step, and a second moment that reads 0
-has a first moment of 0. An element whose second moment is infinite (overflowed) has no
-update in exact Adam (``m / inf``): its first moment is stored as 0, and so does not
-coarsen its block.
+are stored capped against their stored second moment, so that no update exceeds the exact
+optimizer's largest. Adam: ``|m_t| / sqrt(v_t) <= A_t`` with ``A_t**2 = (1-b1)**2 / (1-b2) *
+sum_{j<t} (b1**2/b2)**j``, the supremum over all gradient sequences (Cauchy-Schwarz), so
+``|m_hat| / sqrt(v_hat) <= C = sup_t A_t sqrt(1-b2**t) / (1-b1**t)`` (7.27 for betas (0.9,
+0.999)); the cap after step ``t`` is the largest ratio whose next step stays within ``C``, at
+least ``A_t`` (exact state is never capped; ``A_t`` itself where ``b1**2 >= b2``). Adamax:
+``|m_t| <= (1-b1) sum_{j<t} (b1/b2)**j u_t``; centered RMSprop: ``|grad_avg| <= sqrt(1 -
+alpha**t) sqrt(square_avg)``, so its variance is never negative. A second moment that reads 0
+holds a first moment of 0. An element whose second moment is infinite (overflowed) has no
+update in exact Adam (``m / inf``): its first moment is stored as 0, out of its block's scale.
 
 A consumer of ``optimizer.state`` finds no ``exp_avg`` between steps (a KeyError, not int8
 bytes read as numbers); ``optimizer.state_dict()`` holds every such entry widened back to
@@ -29,6 +32,7 @@ Loading quantizes again with a scratch generator, not the run's: a widened value
 grid and comes back exactly, whatever the draws (second moments whenever their square root
 lies between 2**-63 and 2**64, where squaring it is exact).
 """
+import functools
 import math
 from typing import Callable, Dict, List, Tuple
 
@@ -71,14 +75,37 @@ def _geometric(q: float, t: float) -> float:
     """``sum_{j<t} q**j`` (inf where it overflows)."""
     if q == 1:
         return t
+    if t == math.inf:
+        return 1 / (1 - q) if q < 1 else math.inf
     if q > 1 and t * math.log(q) > 700:
         return math.inf
     return (1 - q ** t) / (1 - q)
 
 
 def _adam_like(group, t):
-    b1, b2 = group["betas"]
-    return _ema_bound(float(b1), float(b2), t)
+    """Adam's cap on ``|m_t| / sqrt(v_t)`` after step ``t``: the largest that keeps the next
+    step's ``|m_hat| / sqrt(v_hat)`` within :func:`_adam_constant` (``>= A_t``, so exact state is
+    never capped); the per-step supremum ``A_t`` where that constant is infinite."""
+    b1, b2 = map(float, group["betas"])
+    top, gamma = _adam_constant(b1, b2), b1 * b1 / b2 if b2 else math.inf
+    if not math.isfinite(top) or gamma == 0:
+        return _ema_bound(b1, b2, t)
+    nxt = top * (1 - b1 ** (t + 1)) / math.sqrt(1 - b2 ** (t + 1))
+    return math.sqrt(max(nxt * nxt - (1 - b1) ** 2 / (1 - b2), 0.0) / gamma)
+
+
+@functools.lru_cache(maxsize=64)
+def _adam_constant(b1: float, b2: float) -> float:
+    """The largest ``|m_hat_t| / sqrt(v_hat_t)`` of exact Adam at any step:
+    ``sup_t A_t sqrt(1-b2**t) / (1-b1**t)`` (7.27 for betas (0.9, 0.999)); inf unless
+    ``b1**2 < b2``. Past ``b1**t < 1e-12`` no step can exceed the limit ``A_inf`` by more."""
+    if not 0 < b2 < 1 or b1 * b1 >= b2:
+        return math.inf
+    best, t = _ema_bound(b1, b2, math.inf), 0
+    while b1 ** t >= 1e-12:
+        t += 1
+        best = max(best, _ema_bound(b1, b2, t) * math.sqrt(1 - b2 ** t) / (1 - b1 ** t))
+    return best * (1 + 1e-12)
 
 
 BOUNDED = (  # (optimizer classes, first moment, the state bounding it, bound(group, step), bounded by its square)

@@ -283,7 +283,7 @@ def test_loading_fp32_state_quantizes_it_without_the_runs_generators():
         scales = opt.state[p]["exp_avg" + state_8bit.SCALES].repeat_interleave(256)[:p.numel()].view(p.shape)
         m, ref_m = loaded[i]["exp_avg"], sd["state"][i]["exp_avg"]
         root, ref = loaded[i]["exp_avg_sq"].sqrt(), sd["state"][i]["exp_avg_sq"].sqrt()
-        capped = (m.abs() <= adam_bound(0.9, 0.999, 3) * root) & (m.abs() < ref_m.abs()) & (m * ref_m >= 0)
+        capped = (m.abs() <= adam_state_bound(0.9, 0.999, 3) * root) & (m.abs() < ref_m.abs()) & (m * ref_m >= 0)
         assert ((m - ref_m).abs() <= scales).logical_or(capped).all()
         assert ((root - ref).abs() <= ref / 16 + 2.0 ** -18 * opt.state[p]["exp_avg_sq" + state_8bit.SCALES].max()).all()
     train(model, opt, batches(2))  # and it trains on
@@ -341,9 +341,29 @@ def record_steps(opt):
     return log
 
 
-def adam_update_bound(lr, b1, b2, t):
-    """Exact Adam's largest ``|update|`` at step ``t``: ``lr * A_t * sqrt(1-b2**t) / (1-b1**t)``."""
-    return lr * adam_bound(b1, b2, t) * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+def adam_constant(b1: float, b2: float) -> float:
+    """Exact Adam's largest ``|m_hat| / sqrt(v_hat)`` at any step (``b1**2 < b2``): the largest of
+    ``A_t sqrt(1-b2**t) / (1-b1**t)`` over the steps until ``b1**t < 1e-12``, and the limit
+    ``(1-b1) / sqrt((1-b2) (1-b1**2/b2))``."""
+    limit = (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+    steps = range(1, int(math.log(1e-12) / math.log(b1)) + 2)
+    return max([limit] + [adam_bound(b1, b2, t) * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) for t in steps])
+
+
+def adam_state_bound(b1: float, b2: float, t: int) -> float:
+    """The largest stored ``|m_t| / sqrt(v_t)`` after step ``t`` whose next step still has
+    ``|m_hat| / sqrt(v_hat) <= adam_constant``: ``K**2 = (C_next**2 - (1-b1)**2/(1-b2)) / (b1**2/b2)``
+    with ``C_next = adam_constant (1-b1**(t+1)) / sqrt(1-b2**(t+1))`` (Cauchy-Schwarz on one step)."""
+    nxt = adam_constant(b1, b2) * (1 - b1 ** (t + 1)) / math.sqrt(1 - b2 ** (t + 1))
+    return math.sqrt((nxt * nxt - (1 - b1) ** 2 / (1 - b2)) / (b1 * b1 / b2))
+
+
+def test_adam_constant_is_7_27_for_the_default_betas_and_never_caps_exact_state():
+    """``(1-b1)/sqrt((1-b2)(1-b1**2/b2)) = 7.2703`` for (0.9, 0.999); the state cap is at least
+    the per-step supremum ``A_t``, so exact Adam's own state is never capped."""
+    assert adam_constant(0.9, 0.999) == pytest.approx(7.2703, abs=1e-4)
+    for b1, b2 in [(0.9, 0.999), (0.5, 0.9), (0.95, 0.9999), (0.9, 0.99)]:
+        assert all(adam_state_bound(b1, b2, t) >= adam_bound(b1, b2, t) * (1 - 1e-12) for t in (1, 2, 5, 30, 300, 3000))
 
 
 def assert_state_within_bounds(opt, bound_of_step, first="exp_avg", second="exp_avg_sq", squared=False):
@@ -360,9 +380,9 @@ def assert_state_within_bounds(opt, bound_of_step, first="exp_avg", second="exp_
 
 def test_one_large_gradient_per_block_never_moves_a_weight_further_than_exact_adam_can():
     """The issue's case: AdamW, lr 1e-3, 100 steps, each 256-block with one gradient of 1 and
-    255 of 1e-6. Every element's update on every step is at most exact Adam's largest at that
-    step (before: the first moment rounded up a code while the second rounded to 0, and
-    weights reached |w| > 100), and the stored state keeps ``|m| <= A_t sqrt(v)``."""
+    255 of 1e-6. Every element's update on every step is at most exact Adam's largest,
+    ``lr * 7.27`` (before: the first moment rounded up a code while the second rounded to 0,
+    and weights reached |w| > 100); a stored second moment of 0 holds a first moment of 0."""
     n, lr, wd = 4 * 256 + 40, 1e-3, 0.01
     x = torch.full((n,), 1e-6)
     x[::256] = 1.0
@@ -373,19 +393,38 @@ def test_one_large_gradient_per_block_never_moves_a_weight_further_than_exact_ad
         train_on(model, opt, x)
         (before, after), = log[-1]
         step = after - before * (1 - lr * wd)
-        sup = adam_update_bound(lr, 0.9, 0.999, t)
-        assert (step.abs() <= sup * (1 + 1e-5) + 2.0 ** -22 * before.abs()).all()
-        assert_state_within_bounds(opt, lambda k: adam_bound(0.9, 0.999, k))
-    assert model.w.abs().max() <= sum(adam_update_bound(lr, 0.9, 0.999, t) for t in range(1, 101)) * 1.01
+        assert (step.abs() <= lr * adam_constant(0.9, 0.999) * (1 + 1e-5) + 2.0 ** -22 * before.abs()).all()
+        assert_state_within_bounds(opt, lambda k: adam_state_bound(0.9, 0.999, k))
+    assert model.w.abs().max() <= 100 * lr * adam_constant(0.9, 0.999) * 1.01
+
+
+@pytest.mark.parametrize("small", [1e-2, 3e-3])
+def test_elements_far_below_their_blocks_largest_move_like_exact_adam_on_average(small):
+    """Each 256-block with one gradient of 1 and 255 of ``small``: over 100 AdamW steps the
+    small ones move as far as at O7 on average (within 5%; their first moments have only a
+    few int8 steps, rounded without bias: capping them at the per-step supremum moved them
+    30% and 87% less)."""
+    n = 4 * 256
+    x = torch.full((n,), small)
+    x[::256] = 1.0
+    moved = {}
+    for level in ("O7", "O8"):
+        model = _dot_model(n)
+        model, opt = ampkit.initialize(model, torch.optim.AdamW([model.w], lr=1e-3), opt_level=level, verbosity=0)
+        for _ in range(100):
+            train_on(model, opt, x)
+        w = model.w.detach().double()
+        moved[level] = w[torch.arange(n) % 256 != 0].mean().item()
+    assert moved["O8"] == pytest.approx(moved["O7"], rel=0.05)
 
 
 BOUNDED = {  # name: (optimizer, first, second, squared, bound(t) of the stored state, bound(t) of |update| or None)
     "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0), "exp_avg", "exp_avg_sq", False,
-              lambda t: adam_bound(0.9, 0.999, t), lambda t: adam_update_bound(1e-3, 0.9, 0.999, t)),
+              lambda t: adam_state_bound(0.9, 0.999, t), lambda t: 1e-3 * adam_constant(0.9, 0.999)),
     "adam_amsgrad": (lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.5, 0.9), amsgrad=True), "exp_avg", "exp_avg_sq", False,
-                     lambda t: adam_bound(0.5, 0.9, t), lambda t: adam_update_bound(1e-3, 0.5, 0.9, t)),
-    "nadam": (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "exp_avg", "exp_avg_sq", False, lambda t: adam_bound(0.9, 0.999, t), None),
-    "radam": (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "exp_avg", "exp_avg_sq", False, lambda t: adam_bound(0.9, 0.999, t), None),
+                     lambda t: adam_state_bound(0.5, 0.9, t), lambda t: 1e-3 * adam_constant(0.5, 0.9)),
+    "nadam": (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "exp_avg", "exp_avg_sq", False, lambda t: adam_state_bound(0.9, 0.999, t), None),
+    "radam": (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "exp_avg", "exp_avg_sq", False, lambda t: adam_state_bound(0.9, 0.999, t), None),
     "adamax": (lambda ps: torch.optim.Adamax(ps, lr=1e-3), "exp_avg", "exp_inf", True,
                lambda t: adamax_bound(0.9, 0.999, t), lambda t: 1e-3 / (1 - 0.9 ** t) * adamax_bound(0.9, 0.999, t)),
     "rmsprop_centered": (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True), "grad_avg", "square_avg", False,
@@ -398,9 +437,9 @@ BOUNDED = {  # name: (optimizer, first, second, squared, bound(t) of the stored 
        steps=st.integers(1, 8))
 def test_updates_and_state_stay_within_exact_bounds_over_magnitudes_spanning_decades(name, seed, decades, steps):
     """Gradients whose magnitudes span up to 36 decades within each block (and change every
-    step): the stored first moment never exceeds its exact bound against the stored second
-    moment (which is 0 only under a first moment of 0), no update is larger than exact
-    optimizer's largest at that step, and every weight stays finite."""
+    step): the stored first moment never exceeds its cap against the stored second moment
+    (which is 0 only under a first moment of 0), no update is larger than the exact
+    optimizer's largest (Adam: at any step; Adamax: at that step), and every weight stays finite."""
     make, first, second, squared, state_bound, update_bound = BOUNDED[name]
     n = 2 * 256 + 17
     g = torch.Generator().manual_seed(seed)
