@@ -5,12 +5,17 @@ when the size does not divide). Each block stores one float32 scale ``s``, a pow
 and one byte per element, in one of two codes chosen by the byte tensor's dtype:
 
 * ``int8``, signed linear (Adam's ``exp_avg``): ``x = q * s``, ``q`` in ``[-127, 127]``;
-  ``s`` is the least power of two with ``absmax <= 127 s``.
+  ``s`` is the least power of two with ``absmax <= 127 s``. Code ``-128`` is NaN (any
+  non-finite value).
 * ``uint8``, unsigned dynamic exponent, ``e4m4`` (non-negative state: ``exp_avg_sq``, or
   its square root): code ``c = 16 E + M`` means ``(1 + M/16) 2**(E-15) s`` for ``E >= 1``
-  and ``M 2**-18 s`` for ``E = 0`` (a linear run to zero, like float subnormals): 15
-  binades below ``2 s`` at 4 mantissa bits, then 16 steps of ``2**-18 s``;
-  ``s`` is the least power of two with ``absmax <= 1.9375 s`` (the largest code).
+  and ``M 2**-18 s`` for ``E = 0`` (a linear run to zero, like float subnormals), up to
+  code 253 (``1.8125 s``): 15 binades below ``2 s`` at 4 mantissa bits, then 16 steps of
+  ``2**-18 s``; ``s`` is the least power of two with ``absmax <= 1.8125 s``. Code 254 is
+  NaN (NaN or a negative value), 255 is ``+inf`` (or a value above ``1.8125 * 2**127``).
+
+``absmax`` is over the block's finite values: a NaN or an infinity changes its own code
+only, never its block's scale or its neighbours' codes. An all-zero block stores zeros.
 
 A value rounds to one of its two neighbouring codes, up with probability equal to its
 position between them, from 24 random bits of ``generator``. Scaling by a power of two
@@ -18,19 +23,19 @@ is exact, as is the split into a lower code and a fraction (the codes are float 
 patterns, or integers), so a value already on the grid comes back exactly, and the
 rounding is unbiased: ``E[dequantize(quantize(x))] == x`` exactly when the fraction is a
 multiple of 2**-24 (always for ``|x| >= s/2`` in int8, and above the linear run in uint8),
-and otherwise high by less than ``2**-24`` of the step.
-
-A block holding a NaN or an infinity (or, in ``uint8``, a negative value) gets a NaN
-scale: every element of that block dequantizes to NaN (no check synchronizes the device).
-An all-zero block stores zeros. Finite values up to 2**127 (int8: 2**126) are in range.
+and otherwise high by less than ``2**-24`` of the step. An int8 ``limit`` caps each
+code's magnitude (rounding toward zero where it binds, the only place it is biased).
 """
+import functools
+
 import torch
 
 __all__ = ["quantize_", "dequantize", "num_blocks"]
 
-_TOP = {torch.int8: 127.0, torch.uint8: 1.9375}  # the largest code's value, in units of s
+_TOP = {torch.int8: 127.0, torch.uint8: 1.8125}  # the largest finite code's value, in units of s
 _SUB = 2.0 ** -14  # uint8: the least normal code's value (E = 1, M = 0), in units of s
 _BIAS = (127 - 15) << 4  # uint8: float32 bits >> 19, less this, is the code of a normal value
+NAN_INT8, NAN_UINT8, INF_UINT8 = -128, 254, 255  # the codes of non-finite values
 
 
 def num_blocks(numel: int, block_size: int = 256) -> int:
@@ -38,23 +43,48 @@ def num_blocks(numel: int, block_size: int = 256) -> int:
     return -(-numel // _check_block(block_size))
 
 
-def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=None, block_size: int = 256) -> None:
+def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=None, block_size: int = 256,
+              limit=None) -> None:
     """Write float32 ``x`` (flat) into the codes ``q`` (int8 or uint8, ``x``'s shape) and the
     float32 ``scales`` (``num_blocks(x.numel(), block_size)``), rounding stochastically with
-    ``generator`` (the device's default generator when ``None``)."""
+    ``generator`` (the device's default generator when ``None``). With int8 codes, ``limit``
+    (float32, ``x``'s shape, overwritten; NaN: no limit) caps each stored magnitude: a code
+    never exceeds ``limit / s``."""
     _check(q, scales, x, block_size, "quantize_", "x")
+    if limit is not None:
+        _check_limit(q, x, limit)
     if not x.numel():
         return
+    signed = q.dtype == torch.int8
+    special = _special(x, signed)
     y = x.abs()
-    scales.copy_(_scales(x, y, q.dtype, block_size))
+    for mask, _ in special:
+        y.masked_fill_(mask, 0.0)  # no part in the block's scale
+    scales.copy_(_scales(y, q.dtype, block_size))
     _by_block_(y, scales, block_size, torch.Tensor.div_)
-    y.nan_to_num_(0.0)  # the blocks with a NaN scale: any code reads back NaN (y is never infinite)
-    low, frac = _split_linear(y) if q.dtype == torch.int8 else _split_e4m4(y)
+    low, frac = _split_linear(y) if signed else _split_e4m4(y)
     draw = _draws(x.numel(), x.device, generator)
     low.add_(draw.float().lt_(frac.mul_(1 << 24)))
-    if q.dtype == torch.int8:
-        low.copysign_(x)
-    q.copy_(low)
+    if limit is not None:
+        cap = _by_block_(limit, scales, block_size, torch.Tensor.div_).floor_()
+        low.clamp_max_(cap.nan_to_num_(nan=float("inf"), posinf=float("inf")))
+    q.copy_(low.copysign_(x) if signed else low)
+    for mask, code in special:
+        q.masked_fill_(mask, code)
+
+
+def _special(x: torch.Tensor, signed: bool) -> list:
+    """``(mask, code)`` of the values of ``x`` with a code of their own: NaN and +-inf (uint8:
+    NaN, negative; +inf and above the top code). Empty on the CPU when one pass finds none
+    (on an accelerator that check would synchronize; the masks cost less)."""
+    top = _TOP[torch.uint8] * 2.0 ** 127
+    if x.device.type == "cpu":
+        lo, hi = torch.aminmax(x)  # NaN if any is
+        if (lo.isfinite() & hi.isfinite()).item() if signed else (lo.ge(0) & hi.le(top)).item():
+            return []
+    if signed:
+        return [(x.isfinite().logical_not_(), NAN_INT8)]
+    return [(x.ge(0.0).logical_not_(), NAN_UINT8), (x.gt(top), INF_UINT8)]
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_size: int = 256) -> torch.Tensor:
@@ -62,13 +92,22 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_s
     _check(q, scales, out, block_size, "dequantize", "out")
     if not out.numel():
         return out
-    if q.dtype == torch.int8:
-        out.copy_(q)
-    else:
-        c = q.to(torch.int32)
-        normal = c.add(_BIAS).bitwise_left_shift_(19).view(torch.float32)
-        out.copy_(torch.where(c.ge(16), normal, c.float().mul_(2.0 ** -18)))
+    torch.index_select(_values(q.dtype, q.device), 0, q.view(torch.uint8).int(), out=out)
     return _by_block_(out, scales, block_size, torch.Tensor.mul_)
+
+
+@functools.lru_cache(maxsize=None)
+def _values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Each code's value in units of its scale, indexed by the code's byte (0..255)."""
+    c = torch.arange(256, dtype=torch.int32)
+    if dtype == torch.int8:
+        values = c.sub(256 * (c >= 128).int()).float()
+        values[NAN_INT8 % 256] = float("nan")
+    else:
+        normal = c.add(_BIAS).bitwise_left_shift_(19).view(torch.float32)
+        values = torch.where(c.ge(16), normal, c.float().mul_(2.0 ** -18))
+        values[NAN_UINT8], values[INF_UINT8] = float("nan"), float("inf")
+    return values.to(device)
 
 
 def _draws(n: int, device, generator) -> torch.Tensor:
@@ -78,19 +117,15 @@ def _draws(n: int, device, generator) -> torch.Tensor:
     return words.view(torch.int32)[:n].bitwise_and_((1 << 24) - 1)
 
 
-def _scales(x: torch.Tensor, absx: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    """Each block's least power of two ``s`` with ``absmax <= top * s`` (``absx`` is ``x.abs()``),
-    from ``absmax = m 2**e`` (``m`` in ``[0.5, 1)``): ``2**(e - 7)`` for int8, ``2**(e - 1)`` for
-    uint8, twice that when ``m`` exceeds ``top / 128`` or ``top / 2``; NaN for a block the code
-    cannot hold."""
+def _scales(absx: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """Each block's least power of two ``s`` with ``absmax <= top * s`` (``absx``: finite and
+    non-negative), from ``absmax = m 2**e`` (``m`` in ``[0.5, 1)``): ``2**(e - 7)`` for int8,
+    ``2**(e - 1)`` for uint8, twice that when ``m`` exceeds ``top / 128`` or ``top / 2``; at
+    most ``2**127``."""
     top, shift = _TOP[dtype], 7 if dtype == torch.int8 else 1
-    amax = _per_block(absx, block_size, torch.amax)
-    m, e = torch.frexp(amax)
+    m, e = torch.frexp(_per_block(absx, block_size, torch.amax))
     e.sub_(shift).add_(m.gt(top / 2 ** shift).to(e.dtype)).clamp_(-149, 127)
-    bad = amax.isfinite().logical_not_().logical_or_(amax.gt(top * 2.0 ** 127))
-    if dtype == torch.uint8:
-        bad.logical_or_(_per_block(x, block_size, torch.amin).lt(0))
-    return torch.ldexp(torch.ones_like(amax), e).masked_fill_(bad, float("nan"))
+    return torch.ldexp(torch.ones_like(m), e)
 
 
 def _split_linear(y: torch.Tensor):
@@ -100,7 +135,7 @@ def _split_linear(y: torch.Tensor):
 
 
 def _split_e4m4(y: torch.Tensor):
-    """``y`` in ``[0, 1.9375]`` as its lower e4m4 code (as float) and the fraction to the next."""
+    """``y`` in ``[0, 1.8125]`` as its lower e4m4 code (as float) and the fraction to the next."""
     bits = y.view(torch.int32)
     normal = y.ge(_SUB)
     linear = y.mul(2.0 ** 18)  # the linear run's codes in units of one step
@@ -110,7 +145,7 @@ def _split_e4m4(y: torch.Tensor):
 
 
 def _per_block(t: torch.Tensor, block_size: int, reduce) -> torch.Tensor:
-    """``reduce`` (``torch.amax``/``amin``) of each block of flat ``t``."""
+    """``reduce`` (``torch.amax``) of each block of flat ``t``."""
     full = t.numel() // block_size * block_size
     parts = [reduce(t[:full].view(-1, block_size), dim=1)]
     if full < t.numel():
@@ -145,3 +180,12 @@ def _check(q, scales, x, block_size, fn: str, name: str) -> None:
                          f"got {q.numel()} and {scales.numel()}.")
     if len({q.device, scales.device, x.device}) > 1:
         raise ValueError(f"{fn}: q, scales and {name} must be on one device.")
+
+
+def _check_limit(q, x, limit) -> None:
+    if q.dtype != torch.int8:
+        raise ValueError(f"quantize_: limit caps int8 codes only, got q of dtype {q.dtype}.")
+    if (not torch.is_tensor(limit) or limit.dtype != torch.float32 or limit.shape != x.shape
+            or not limit.is_contiguous() or limit.device != x.device):
+        raise TypeError(f"quantize_: limit must be a contiguous float32 tensor of x's shape {tuple(x.shape)} "
+                        f"on x's device.")

@@ -416,6 +416,11 @@ class OptimizerState:
         self.stage = Stage.READY
         return result
 
+    def update_skipped(self) -> None:
+        """The step left weights and state as they were (its update would have written
+        non-finite weights, see ``transient_update.py``): ``step_was_skipped`` says so."""
+        self.last_step_skipped = True
+
     def copy_masters_to_model(self) -> None:
         """One fused copy: with master weights the optimizer is on one device."""
         if self.masters:

@@ -85,11 +85,7 @@ class OverflowCheck:
 def nonfinite_names(run, states) -> List[str]:
     """The parameters (as ``model.named_parameters()`` names them) whose gradients hold inf/NaN;
     with several models, ``models[i].name``; unnamed ones as ``param_groups[g][i]``."""
-    models = registry.models_of(run)
-    name_of = {}
-    for i, model in enumerate(models):
-        for name, p in model.named_parameters():
-            name_of.setdefault(p, name if len(models) == 1 else f"models[{i}].{name}")
+    name_of = parameter_names(run)
     found = []
     for st in states:
         for g, group in enumerate(st.optimizer.param_groups):
@@ -97,6 +93,17 @@ def nonfinite_names(run, states) -> List[str]:
                 if p.grad is not None and not _finite(p.grad):
                     found.append(name_of.get(st.owner.get(p, p), f"param_groups[{g}][{i}]"))
     return list(dict.fromkeys(found))
+
+
+def parameter_names(run) -> dict:
+    """Each model parameter -> its name in ``model.named_parameters()`` (``models[i].name``
+    with several models)."""
+    models = registry.models_of(run)
+    name_of = {}
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            name_of.setdefault(p, name if len(models) == 1 else f"models[{i}].{name}")
+    return name_of
 
 
 def _finite(grad: torch.Tensor) -> bool:

@@ -13,7 +13,10 @@ state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise te
 (those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
 same way; with ``"8bit"`` (O8) they are stored as 8-bit codes with per-block scales
 (``state_8bit.py``), widened to float32 for the chunk's step. Float32 parameters
-(BatchNorm kept fp32) are stepped as they are.
+(BatchNorm kept fp32) are stepped as they are. At O8 a chunk whose update would write a
+non-finite weight writes nothing: its weights, float32 parameters and state stay, and the
+step is reported skipped (``step_was_skipped``, a warning naming the parameters); with
+several chunks, the other chunks' updates stand.
 
 The optimizer must update each parameter from its own gradient and state (every
 ``torch.optim`` optimizer but LBFGS does): it is called once per chunk, seeing only that
@@ -22,6 +25,7 @@ step). Each chunk's call starts from the param groups' settings as the step foun
 the settings a call changed (a custom optimizer's step counter in its groups) are kept once,
 so the optimizer sees one step per training step at any model size.
 """
+import logging
 import types
 from typing import Callable, List, Optional
 
@@ -32,6 +36,7 @@ from ..core.levels import HALF_DTYPES, STATE_8BIT
 from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
 from . import fused_update, state_8bit
+from .overflow import _all_ranks_max, parameter_names
 from .shards import global_index, like, local, shard_of
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
@@ -132,13 +137,17 @@ class TransientUpdate:
         weights, and the state when it is stored in half, are rounded back."""
         opt, swapped = self.optimizer, []
         half = [p for _, _, p in chunk if p.dtype in HALF_DTYPES]
+        kept = None  # O8: what a step that would write a non-finite weight puts back
+        if self.state_dtype == STATE_8BIT:
+            kept = (state_8bit.keep(opt.state, [p for _, _, p in chunk]), _group_settings(opt))
         stored = [(st, k, v) for p in half if p in opt.state for st in (opt.state[p],) for k, v in st.items()
                   if torch.is_tensor(v) and v.dtype != torch.float32 and _elementwise(k, v, p)]  # cheap test first
         packed = state_8bit.held(opt.state, half) if self.state_dtype == STATE_8BIT else []
         srcs = [local(t) for t in half + [grads[p] for p in half] + [v for _, _, v in stored]]  # FSDP2: shards
         wide = []
         if srcs:
-            wide = _unflatten_dense_tensors(torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device), srcs)
+            flat = torch.empty(sum(t.numel() for t in srcs), dtype=torch.float32, device=srcs[0].device)
+            wide = _unflatten_dense_tensors(flat, srcs)
             skip = 0 if self.model_states is None else len(half)  # remainder masters: combine writes the weights
             with torch.no_grad():
                 torch._foreach_copy_(wide[skip:], srcs[skip:])
@@ -162,12 +171,17 @@ class TransientUpdate:
                     opt.state[f] = state
                 swapped.append((group, i, p, f))
             result = self.step()
+            if kept is not None and self._nonfinite(chunk, flat[:sum(w.numel() for w in weights)] if half else None):
+                state_8bit.restore(opt.state, kept[0], lambda p: copy_of[p][0] if p in copy_of else p)
+                _restore_group_settings(opt, kept[1])
+                return result
             with torch.no_grad():
                 if rems is not None:
                     split_(weights, rems, copies)
                 else:
                     self.round_into(weights, copies, half)
-                self._narrow([(opt.state[f], p) for _, _, p, f in swapped if f in opt.state], False,
+                in_groups = self.state_dtype == STATE_8BIT  # 8-bit caps read each param's group; counter bits its index
+                self._narrow([(opt.state[f], f if in_groups else p) for _, _, p, f in swapped if f in opt.state], False,
                              {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed})
             return result
         finally:
@@ -178,6 +192,28 @@ class TransientUpdate:
                     opt.state[p] = state
             for group, i, p in chunk:
                 p.grad = None
+
+    def _nonfinite(self, chunk, new_weights: Optional[torch.Tensor]) -> bool:
+        """Whether the chunk's step made a weight non-finite on any rank (one sum, one host
+        sync; the elements are looked at only when the sum is not finite): then the step is
+        reported skipped like an overflow, naming those parameters."""
+        stepped = [local(g["params"][i]).detach() for g, i, _ in chunk]  # the new weights: copies and float32 ones
+        sums = [w.sum() for w, (_, _, p) in zip(stepped, chunk) if p.dtype not in HALF_DTYPES]
+        sums += [] if new_weights is None else [new_weights.sum()]
+        if not sums:
+            return False
+        bad = not torch.stack(sums).isfinite().all().item() and not all(bool(w.isfinite().all()) for w in stepped)
+        if not _all_ranks_max(torch.tensor(float(bad), device=sums[0].device)).item():
+            return False
+        opt, name_of = self.optimizer, parameter_names(self.optimizer._ampkit.run)
+        where = {id(g): k for k, g in enumerate(opt.param_groups)}
+        names = [name_of.get(p, f"param_groups[{where[id(g)]}][{i}]") for (g, i, p), w in zip(chunk, stepped)
+                 if not bool(w.isfinite().all())]
+        opt._ampkit.update_skipped()
+        opt._ampkit.run.log("Non-finite weights from the optimizer's update of %s: not written, their optimizer "
+                            "state kept. Skipping step.", ", ".join(names) or "another rank's shards",
+                            level=logging.WARNING)
+        return True
 
     def _remainders(self, params) -> List[torch.Tensor]:
         """Each bf16 parameter's remainder (a parameter added later starts at 0: its bf16 value)."""
@@ -197,7 +233,8 @@ class TransientUpdate:
         if self.state_dtype is None or self.state_dtype == torch.float32:
             return
         if self.state_dtype == STATE_8BIT:
-            return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {})
+            return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {},
+                                   self.optimizer)
         found = [(st, k, v, p, 1 + j) for st, p in states
                  for j, (k, v) in enumerate((k, v) for k, v in st.items() if _elementwise(k, v, p))
                  if v.dtype != self.state_dtype]  # stream 1 + j: the parameter's j-th elementwise state

@@ -1,10 +1,11 @@
-"""8-bit block state: power-of-two scales, the two codes' grids, unbiased stochastic rounding."""
+"""8-bit block state: power-of-two scales, the two codes' grids, unbiased stochastic rounding,
+non-finite values in their own codes, and capped int8 codes."""
 import math
 
 import pytest
 import torch
 
-from ampkit.core.blockquant import _draws, dequantize, num_blocks, quantize_
+from ampkit.core.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, _draws, dequantize, num_blocks, quantize_
 
 B = 256
 
@@ -16,12 +17,12 @@ def roundtrip(x: torch.Tensor, dtype, seed=0, block_size=B):
 
 
 def e4m4(c: int) -> float:
-    """The documented uint8 code, in units of the scale."""
+    """The documented uint8 code (0..253), in units of the scale."""
     e, m = divmod(c, 16)
     return (1 + m / 16) * 2.0 ** (e - 15) if e else m * 2.0 ** -18
 
 
-GRIDS = {torch.int8: [float(c) for c in range(-127, 128)], torch.uint8: [e4m4(c) for c in range(256)]}
+GRIDS = {torch.int8: [float(c) for c in range(-127, 128)], torch.uint8: [e4m4(c) for c in range(254)]}  # finite codes
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
@@ -34,7 +35,7 @@ def test_grid_values_round_trip_exactly(dtype, scale):
     for seed in range(3):
         q, s, y = roundtrip(x, dtype, seed)
         assert torch.equal(y, x) and torch.equal(s, torch.full_like(s, scale))
-        codes = torch.arange(-127, 128) if dtype == torch.int8 else torch.arange(256)
+        codes = torch.arange(-127, 128) if dtype == torch.int8 else torch.arange(254)
         assert torch.equal(q.long(), codes.repeat(4))
 
 
@@ -73,12 +74,13 @@ def test_unbiased_between_two_neighbours(dtype):
 
 def test_zero_block_and_tail_block():
     """An all-zero block stores zeros; a tail block's scale is its own (2**-7 or 0.5, against
-    the full blocks' 8 or 512), the same as quantizing the tail alone."""
+    the full blocks' 8 or 1024: 960 is above uint8's top code 1.8125 * 512), the same as
+    quantizing the tail alone."""
     x = torch.cat([torch.zeros(B), torch.full((B,), 960.0), torch.full((37,), 0.5)])
     for dtype in (torch.int8, torch.uint8):
         q, s, y = roundtrip(x, dtype)
         assert s.numel() == 3 and q[:B].eq(0).all() and y[:B].eq(0).all() and not y[:B].signbit().any()
-        assert s[1:].tolist() == ([8.0, 2.0 ** -7] if dtype == torch.int8 else [512.0, 0.5])
+        assert s[1:].tolist() == ([8.0, 2.0 ** -7] if dtype == torch.int8 else [1024.0, 0.5])
         assert torch.equal(y[B:], x[B:])  # 960 and 0.5 lie on both grids
         q_tail, s_tail, _ = roundtrip(x[2 * B:].clone(), dtype)
         assert torch.equal(s_tail, s[2:]) and torch.equal(q_tail, q[2 * B:])
@@ -92,7 +94,7 @@ def test_one_huge_outlier(dtype):
     block[17] = 1e6
     x = torch.cat([block.repeat(64), torch.full((B,), 1e-3)])
     _, s, y = roundtrip(x, dtype)
-    assert s[0].item() == (2.0 ** 13 if dtype == torch.int8 else 2.0 ** 19)
+    assert s[0].item() == (2.0 ** 13 if dtype == torch.int8 else 2.0 ** 20)
     small = y[:-B].view(64, B)[:, torch.arange(B) != 17]
     step = s[0].item() * (1 if dtype == torch.int8 else 2.0 ** -18)
     assert set(small.unique().tolist()) <= {0.0, step}
@@ -102,19 +104,60 @@ def test_one_huge_outlier(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -1.0])
-def test_non_finite_poisons_its_block_only(dtype, bad):
-    """A block holding NaN or +-inf (and, in uint8, a negative value) gets a NaN scale: all of
-    it reads back NaN; the other blocks are untouched. (int8 stores -1.0 as usual.)"""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -1.0, 3.2e38])
+def test_non_finite_value_changes_its_own_code_only(dtype, bad):
+    """NaN and +-inf (in uint8 also a negative value, or one above 1.8125 * 2**127) take a code
+    of their own: NaN, or +inf in uint8, reads back what O7's float state holds; the block's
+    scale is its finite values', and every other code is the one the block gets with 0 in
+    that place, from the same random bits."""
     x = torch.rand(3 * B)
     x[B + 5] = bad
-    _, s, y = roundtrip(x, dtype)
-    ok_values = not math.isnan(bad) and math.isfinite(bad) and dtype == torch.int8
-    assert y[B:2 * B].isnan().all() != ok_values and s[1].isnan() != ok_values
+    q, s, y = roundtrip(x, dtype)
     clean = x.clone()
-    clean[B + 5] = 0.5
-    y_clean = roundtrip(clean, dtype)[2]  # the same random bits
-    assert torch.equal(y_clean[:B], y[:B]) and torch.equal(y_clean[2 * B:], y[2 * B:])
+    clean[B + 5] = 0.0
+    q_clean, s_clean, y_clean = roundtrip(clean, dtype)
+    others = torch.arange(3 * B) != B + 5
+    if dtype == torch.int8 and math.isfinite(bad):  # int8 holds every finite float32
+        assert y[B + 5].item() == pytest.approx(bad, rel=2 ** -6)
+        return
+    assert torch.equal(s, s_clean) and torch.equal(q[others], q_clean[others]) and torch.equal(y[others], y_clean[others])
+    reads_inf = dtype == torch.uint8 and bad > 0
+    assert q[B + 5].item() == (INF_UINT8 if reads_inf else NAN_UINT8 if dtype == torch.uint8 else NAN_INT8)
+    assert y[B + 5].item() == float("inf") if reads_inf else math.isnan(y[B + 5].item())
+
+
+def test_a_block_of_only_non_finite_values_and_zeros():
+    x = torch.zeros(B)
+    x[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    for dtype in (torch.int8, torch.uint8):
+        _, s, y = roundtrip(x, dtype)
+        assert torch.isfinite(s).all() and s.item() > 0 and y[3:].eq(0).all()
+        assert y[:3].isnan().tolist() == ([True, True, True] if dtype == torch.int8 else [False, True, True])
+
+
+def test_limit_caps_int8_codes_toward_zero_and_leaves_the_rest_unbiased():
+    """Each code's magnitude stays at or below ``limit / s`` (a limit below one step stores 0);
+    NaN limits nothing: those codes are the ones an unlimited quantize draws."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.rand(4 * B, generator=g) * 2 - 1) * 10 ** (torch.rand(4 * B, generator=g) * 6 - 3)
+    limit = x.abs() * torch.rand(4 * B, generator=g) * 1.5
+    limit[::3] = float("nan")
+    limit[1::7] = 0.0
+    q, s = torch.empty_like(x, dtype=torch.int8), torch.empty(4)
+    quantize_(q, s, x, torch.Generator().manual_seed(0), limit=limit.clone())
+    q_free, s_free, _ = roundtrip(x, torch.int8)
+    step = s.repeat_interleave(B)
+    assert torch.equal(s, s_free)
+    capped = limit.isnan().logical_not()
+    assert (q.float().abs()[capped] * step[capped] <= limit[capped]).all() and q[1::7].eq(0).all()
+    assert torch.equal(q[~capped], q_free[~capped])
+    assert (q.float() * x >= 0).all() and (q.float().abs() <= q_free.float().abs()).all()
+    binds = capped & (q_free.float().abs() * step > limit)
+    assert binds.sum() > B // 2 and ((q.float().abs() * step)[binds] > limit[binds] - step[binds]).all()  # the largest code below
+    with pytest.raises(ValueError, match="limit caps int8 codes only"):
+        quantize_(torch.empty(B, dtype=torch.uint8), torch.empty(1), torch.rand(B), limit=torch.rand(B))
+    with pytest.raises(TypeError, match="limit must be a contiguous float32 tensor of x's shape"):
+        quantize_(torch.empty(B, dtype=torch.int8), torch.empty(1), torch.rand(B), limit=torch.rand(B - 1))
 
 
 def test_generator_reproducible():
