@@ -22,12 +22,13 @@ through ``copy.deepcopy`` and pickling), and :func:`combine` adds their ULP back
     r = d - e * (d >= 32767)            x = bits(w) << 16 + r + e * (r == 32767) + t
 
 so every master comes back exactly, and :func:`split_` rebuilds the table each time it
-writes ``(w, r)``: one pass over the elements, which also marks the candidates (``d`` of
-``+32767`` or ``+32768`` above an even ``w``), then a look at the few 1024-element blocks that
-hold a candidate. :func:`combine` is one pass plus a fix-up of the listed elements, each
-only while its pair still holds code ``32766`` of an even ``w`` (a stale table never moves
-another value). A remainder without a table (made before tables existed, or by another
-tool) reads as before: those values one ULP toward ``w``, the only difference.
+writes ``(w, r)``: the pass that computes ``r`` also marks the candidates (``d`` of ``+32767``
+or ``+32768`` above an even ``w``), then one max per 1024-element block finds the few blocks
+that hold one, and only those are looked into (on a GPU this costs a host synchronization per
+call). :func:`combine` is one pass plus a fix-up of the listed elements, each only while its
+pair still holds code ``32766`` of an even ``w`` (a stale table never moves another value). A
+table costs 8 bytes an entry. A remainder without one (made before tables existed) reads as
+before: its masters exact but those values, one ULP toward ``w``.
 
 Edge cases follow from the bit arithmetic: +-0 and subnormals are ordinary cells; a finite
 ``x`` above bfloat16's range (``|x| >= 0x7F7F8000``) gives ``w = +-inf``, as O5's copy does,
