@@ -258,6 +258,7 @@ def simulate(optimizer: str, encoding: str, steps: int = 200, seed: int = 0, dat
     split(ws, rs, xs)
     out = dict.fromkeys(["ties", "ties_above_even", "plus_ones", "o5_plus_ones", "listed", "lost", "model_differs",
                          "loss_differs", "max_master_ulps"], 0)
+    out.update(losses=None, first_model_difference=None)  # the last step's (O5, (w, r)) losses
     for step in range(steps):
         loss_a, grads = loss_and_grads([m.bfloat16() for m in masters], batch)
         for m, gr in zip(masters, grads):
@@ -283,7 +284,10 @@ def simulate(optimizer: str, encoding: str, steps: int = 200, seed: int = 0, dat
             for x in xs:
                 x.fill_(float("nan"))  # between steps the master lives only in (w, r)
         out["loss_differs"] += int(not torch.equal(loss_a.view(torch.int32), loss_b.view(torch.int32)))
+        out["losses"] = (loss_a.item(), loss_b.item())
         out["model_differs"] += int(not same)
+        if not same and out["first_model_difference"] is None:
+            out["first_model_difference"] = step
     return out
 
 
