@@ -63,7 +63,7 @@ def split_(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], xs: Sequence[
     bits = x.view(torch.int32)
     moved = _moved(bits)
     found = _nonzero(moved)  # before moved is overwritten: the candidates for the side table
-    r.copy_(torch.sub(bits, moved, out=moved))  # the low 16 bits: w's shifted bits have none, so this is d (or its code)
+    r.copy_(torch.sub(bits, moved, out=moved))  # low 16 bits: w's shifted bits have none, so this is d (or its code)
     _scatter(ws, w)
     _scatter(rs, r)
     _set_tables(rs, _plus_one(bits, found))

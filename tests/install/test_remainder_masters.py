@@ -51,6 +51,10 @@ def train(model, opt, data, poison_at=()):
     return losses, weights
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def masters_of(model, opt):
     if model._ampkit.remainders:
         return [master(p.detach(), model._ampkit.remainders[p]) for p in model.parameters()]
@@ -65,7 +69,7 @@ def test_bit_identical_to_o5_for_200_steps_with_a_skipped_step(opt_name):
     assert ampkit.step_was_skipped(rem[1]) is False and ampkit.loss_scalers(rem[1])[0].skipped_steps == 1
     assert a[0][:57] == b[0][:57] and a[0][58:] == b[0][58:]
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(masters_of(*ref), masters_of(*rem)))
+    assert all(same_bits(x, y) for x, y in zip(masters_of(*ref), masters_of(*rem)))
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
@@ -89,7 +93,7 @@ def test_state_dict_gives_o5_masters_and_twelve_bytes_per_parameter_with_adamw()
     ref, rem = build(True, "adamw"), build("remainder", "adamw")
     train(*ref, batches(30)), train(*rem, batches(30))
     for (k, v), w in zip(ref[0].state_dict().items(), rem[0].state_dict().values()):
-        assert v.dtype == w.dtype == torch.float32 and torch.equal(v.view(torch.int32), w.view(torch.int32)), k
+        assert same_bits(v, w), k
     ref[1].zero_grad(), rem[1].zero_grad()
     assert ampkit.footprint.bytes_per_param([ref[0]], [ref[1]]) == pytest.approx(14, abs=0.05)
     assert ampkit.footprint.bytes_per_param([rem[0]], [rem[1]]) == pytest.approx(12, abs=0.05)
@@ -162,15 +166,16 @@ def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_s
         x, y = torch.randn(8, 256, generator=g), torch.randn(8, 16, generator=g)
         if step == 120:
             ckpt = checkpoint(*rem)
-            assert all(torch.equal(v.view(torch.int32), w.view(torch.int32)) for v, w in zip(masters_of(*ref), ckpt["model"].values()))
+            assert all(same_bits(v, w) for v, w in zip(masters_of(*ref), ckpt["model"].values()))
             rem = resume(ckpt, opt_name)
         losses = [large_step(*run, x, y, poison=step == 57) for run in (ref, rem)]
-        assert losses[0] == losses[1] and ampkit.step_was_skipped(ref[1]) is ampkit.step_was_skipped(rem[1]) is (step == 57), step
+        assert losses[0] == losses[1], step
+        assert ampkit.step_was_skipped(ref[1]) is ampkit.step_was_skipped(rem[1]) is (step == 57), step
         for p, q in zip(ref[0].parameters(), rem[0].parameters()):
             assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), step
         listed.append(sum(side_table(r).numel() for r in rem[0]._ampkit.remainders.values()))
     assert max(listed) > 0  # the tables were in use
-    assert all(torch.equal(v.view(torch.int32), w.view(torch.int32)) for v, w in zip(masters_of(*ref), masters_of(*rem)))
+    assert all(same_bits(v, w) for v, w in zip(masters_of(*ref), masters_of(*rem)))
 
 
 def test_loaded_masters_16_bits_cannot_hold_are_kept_counted_and_saved_exactly():
@@ -185,7 +190,7 @@ def test_loaded_masters_16_bits_cannot_hold_are_kept_counted_and_saved_exactly()
     tables = {k: side_table(model._ampkit.remainders[p]).tolist() for k, p in model.named_parameters()}
     assert tables == {k: where.get(k, []) for k in tables}
     for (k, v), p in zip(model.state_dict().items(), model.parameters()):
-        assert torch.equal(v.view(torch.int32), saved[k].view(torch.int32)), k
+        assert same_bits(v, saved[k]), k
         assert torch.equal(p.detach().view(torch.int16), saved[k].bfloat16().view(torch.int16)), k
     import copy
 
