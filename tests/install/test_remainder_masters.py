@@ -178,15 +178,19 @@ def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_s
     assert all(same_bits(v, w) for v, w in zip(masters_of(*ref), masters_of(*rem)))
 
 
-def test_loaded_masters_16_bits_cannot_hold_are_kept_counted_and_saved_exactly():
+def test_loaded_masters_16_bits_cannot_hold_are_kept_counted_and_saved_exactly(tmp_path):
     """A checkpoint's fp32 masters load exactly, those 16 bits cannot hold into the side tables:
-    ``state_dict`` gives them back bit for bit, the weights are O5's rounding of them, and the
-    footprint counts the tables (8 bytes an entry) on top of 12 bytes per parameter."""
-    model, opt = build("remainder", "adamw")
-    train(model, opt, batches(3))
+    ``state_dict`` (and ``ampkit.checkpoint`` into a fresh run) gives them back bit for bit, the
+    weights are O5's rounding of them, and the footprint counts the tables (8 bytes an entry) on
+    top of 12 bytes per parameter."""
+    first, opt = build("remainder", "adamw")
+    train(first, opt, batches(3))
     where = {"0.weight": [0, 7, 511], "0.bias": [31], "2.weight": [100]}
-    saved = plus_ones(model.state_dict(), where)
-    model.load_state_dict(saved)
+    saved = plus_ones(first.state_dict(), where)
+    first.load_state_dict(saved)
+    ampkit.checkpoint.save(tmp_path / "run.pt", first, opt)
+    model, opt = build("remainder", "adamw", seed=3)
+    ampkit.checkpoint.load(tmp_path / "run.pt", model, opt)
     tables = {k: side_table(model._ampkit.remainders[p]).tolist() for k, p in model.named_parameters()}
     assert tables == {k: where.get(k, []) for k in tables}
     for (k, v), p in zip(model.state_dict().items(), model.parameters()):
