@@ -2,7 +2,7 @@
 
 Counted, each storage once (shared or tied tensors are not double-counted): the models'
 parameters and buffers, the tensors the optimizers step on (fp32 master weights, or the
-16-bit remainders of ``master_weights="remainder"``), every
+16-bit remainders of ``master_weights="remainder"`` and their side tables), every
 tensor in the optimizers' state, and the fp32 gradient buffers ampkit keeps across steps
 for large master sets. Not counted: gradients (call after ``zero_grad()``, which frees
 them) and activations, which are per-step. Of a model sharded with FSDP2: this rank's shards.
@@ -12,6 +12,7 @@ from typing import Dict, Iterable, List
 import torch
 from torch import nn
 
+from ..core.remainder import side_table
 from ..install.optimizer_wrappers import is_optimizer_like
 from ..install.shards import local
 
@@ -59,7 +60,8 @@ def persistent_bytes(models: List[nn.Module], optimizers: List[torch.optim.Optim
 
     kinds["buffers"] = new(b for m in models for b in m.buffers())
     remainders = [r for m in models for r in getattr(getattr(m, "_ampkit", None), "remainders", {}).values()]
-    kinds["masters"] = new([p for o in optimizers for g in o.param_groups for p in g["params"]] + remainders)
+    tables = [side_table(r) for r in remainders]  # the few values 16 bits cannot hold
+    kinds["masters"] = new([p for o in optimizers for g in o.param_groups for p in g["params"]] + remainders + tables)
     kinds["optimizer_state"] = new(v for o in optimizers for st in o.state.values() for v in st.values())
     kinds["grad_buffers"] = new(b for o in optimizers for b in getattr(getattr(o, "_ampkit", None), "_grad_buffers", {}).values())
     kinds["total"] = sum(kinds.values())
