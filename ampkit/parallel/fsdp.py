@@ -20,7 +20,10 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
 * O0: plain FSDP2.
 
 Loss scaling is ampkit's: each rank checks its gradient shards and the found-inf flag is
-MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps.
+MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps. A 2-D mesh
+(``fsdp_kwargs={"mesh": ...}``, replicate x shard) gives HSDP: the shard index, and so the
+rounding stream, is the rank's index along the last dimension, so replicas round alike.
+Checkpoints load on any number of ranks, mesh and level (``reshard.py``).
 """
 import dataclasses
 import os
