@@ -44,15 +44,22 @@ def level_name(props) -> str:
     return f"{props.opt_level} ({', '.join(extra)})" if extra else props.opt_level
 
 
-def saved_metadata(checkpoint_id):
-    """The checkpoint's DCP metadata, or None where ``checkpoint_id`` is not a directory that holds one."""
-    if not isinstance(checkpoint_id, (str, os.PathLike)):
+def local_dir(checkpoint_id) -> Optional[str]:
+    """``checkpoint_id`` as a local directory path; None for a storage object or a URL
+    (``s3://...``: DCP writes those through fsspec, and ampkit leaves them to it)."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)) or "://" in os.fspath(checkpoint_id):
         return None
-    if not os.path.isfile(os.path.join(os.fspath(checkpoint_id), ".metadata")):
+    return os.fspath(checkpoint_id)
+
+
+def saved_metadata(checkpoint_id):
+    """The checkpoint's DCP metadata, or None where ``checkpoint_id`` is not a local directory that holds one."""
+    path = local_dir(checkpoint_id)
+    if path is None or not os.path.isfile(os.path.join(path, ".metadata")):
         return None
     from torch.distributed.checkpoint import FileSystemReader
 
-    return FileSystemReader(os.fspath(checkpoint_id)).read_metadata()
+    return FileSystemReader(path).read_metadata()
 
 
 def saved_template(metadata, top: str) -> Optional[dict]:
@@ -109,13 +116,14 @@ def writing(checkpoint_id):
     """Around a collective ``dcp.save`` into directory ``checkpoint_id``: the first rank marks
     it incomplete before any rank writes, and clears the mark once every rank has finished. A
     rank that dies in between leaves the mark, which :func:`check_complete` refuses."""
-    if not isinstance(checkpoint_id, (str, os.PathLike)):
+    path = local_dir(checkpoint_id)
+    if path is None:
         yield
         return
-    marker = os.path.join(os.fspath(checkpoint_id), INCOMPLETE)
+    marker = os.path.join(path, INCOMPLETE)
     first = dist.get_rank() == 0
     if first:
-        os.makedirs(os.fspath(checkpoint_id), exist_ok=True)
+        os.makedirs(path, exist_ok=True)
         with open(marker, "w") as f:
             f.write(f"ampkit.parallel.save_sharded by {dist.get_world_size()} ranks: started, not finished\n")
             f.flush()
@@ -125,16 +133,15 @@ def writing(checkpoint_id):
     dist.barrier()
     if first:
         os.unlink(marker)
-        _sync_dir(os.fspath(checkpoint_id))
+        _sync_dir(path)
 
 
 def check_complete(checkpoint_id) -> None:
     """Refuse a directory that :func:`writing` left marked: save_sharded did not finish it."""
-    if not isinstance(checkpoint_id, (str, os.PathLike)):
-        return
-    if os.path.exists(os.path.join(os.fspath(checkpoint_id), INCOMPLETE)):
+    path = local_dir(checkpoint_id)
+    if path is not None and os.path.exists(os.path.join(path, INCOMPLETE)):
         raise ValueError(
-            f"ampkit.parallel.load_sharded({os.fspath(checkpoint_id)!r}): the checkpoint is incomplete: "
+            f"ampkit.parallel.load_sharded({path!r}): the checkpoint is incomplete: "
             f"save_sharded started writing it but did not finish (a rank failed or was killed mid-save), so "
             f"some shards are missing or stale. Nothing was loaded; load an earlier checkpoint."
         )
