@@ -88,8 +88,9 @@ def rounding_of_shard(saved: dict, index: int) -> dict:
     that shard (so a resume on the same number of shards is bit-exact); a shard it did not have
     starts a generator seeded from a SHA-256 of the saved seed, ``index`` and every saved row.
     The result depends on the checkpoint and ``index`` only: two loads of one checkpoint at one
-    size continue bit-identically, and no seed repeats one already used by the saving run or by
-    a load of an earlier checkpoint. Rows of shards the loading run lacks are dropped. A
+    size continue bit-identically, while a new shard's 63-bit seed differs (but by a chance of
+    about 2**-63) from the ``seed + index`` a fresh run starts from and from the seeds derived
+    from any other checkpoint. Rows of shards the loading run lacks are dropped. A
     checkpoint without generators (written at a level that has none, e.g. O5) leaves the run's
     generators where a fresh run's start: at its seed plus the shard index.
     (Once the rounding bits come from a counter, not a generator, this becomes trivial.)
