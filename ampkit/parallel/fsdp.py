@@ -293,32 +293,38 @@ def check_metadata(checkpoint_id) -> None:
         ) from None
 
 
-def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Optional[dict] = None) -> None:
     """Save model, optimizer and loss scalers with ``torch.distributed.checkpoint``: each rank
     writes its own shards (collective: call on every rank).
 
     ``checkpoint_id``: the checkpoint's directory (or anything ``dcp.save`` takes as one);
-    ``model``, ``optimizer``: as ``initialize(..., fsdp=True)`` returned them. The directory is
-    marked incomplete until every rank has written its part: :func:`load_sharded` refuses a
-    checkpoint whose save did not finish.
+    ``model``, ``optimizer``: as ``initialize(..., fsdp=True)`` returned them; ``extra``: a dict
+    of what else belongs to the run (tensors, DTensors such as an EMA's shards, plain values),
+    saved under ``"extra"``. The directory is marked incomplete until every rank has written its
+    part: :func:`load_sharded` refuses a checkpoint whose save did not finish.
     """
     run = registry.of_optimizer("ampkit.parallel.save_sharded()", optimizer)
+    _check_extra("save_sharded", extra)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state, "amp": _amp_state(run, optimizer),
              "run": reshard.describe(run.properties, _shards(optimizer)[1])}
+    if extra is not None:
+        state["extra"] = extra
     with reshard.writing(checkpoint_id):
         dcp.save(state, checkpoint_id=checkpoint_id)
 
 
-def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Optional[dict] = None) -> None:
     """Load what :func:`save_sharded` wrote under ``checkpoint_id`` into a model and optimizer
     prepared by ``initialize(..., fsdp=True)``: on any number of ranks and mesh shape, and at
     any level (the state is float32; see the README's resume rules). The same level on the
     same number of shards resumes bit-exactly; rounding generators of shards the saving run
-    did not have follow :func:`reshard.rounding_of_shard`."""
+    did not have follow :func:`reshard.rounding_of_shard`. ``extra``: a dict shaped like the
+    one saved (its tensors laid out as this run wants them), loaded in place."""
     caller = "ampkit.parallel.load_sharded"
     run = registry.of_optimizer(f"{caller}()", optimizer)
+    _check_extra("load_sharded", extra)
     check_metadata(checkpoint_id)
     reshard.check_complete(checkpoint_id)
     dcp, sd = _dcp()
@@ -327,6 +333,8 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     state = {"model": model_state, "optimizer": optim_state}
     if saved is None:  # not a directory (a storage reader): the keys of this run
         state["amp"] = _amp_state(run, optimizer)
+    if extra is not None:
+        state["extra"] = extra
     _dcp_load(state, checkpoint_id, saved, run, optimizer)
     amp = saved["amp"] if saved is not None else _own_rounding(state["amp"], 0)
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -363,6 +371,12 @@ def _dcp_load(state: dict, checkpoint_id, saved: Optional[dict], run, optimizer)
         raise ValueError(
             f"ampkit.parallel.load_sharded({_name(checkpoint_id)!r}): {_levels((saved or state).get('run'), run, optimizer)}: "
             f"the checkpoint does not fit this model and optimizer ({type(e).__name__}: {e})") from e
+
+
+def _check_extra(caller: str, extra) -> None:
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"ampkit.parallel.{caller}(extra={type(extra).__name__}): expected a dict (e.g. "
+                        f"{{'ema': ema_shards, 'step': step}}) or None.")
 
 
 def _name(checkpoint_id):

@@ -4,12 +4,11 @@
 deepcopy", torch's fully_shard; pytorch/pytorch#149138). The documented pattern instead keeps
 the EMA as float32 DTensors sharded like the model: clones of ``model.state_dict()`` (float32 at
 every level: the exact masters with remainder masters, the widened bf16 weights at O7/O8),
-updated in place on each rank's shards, saved with ``dcp.save`` next to ``save_sharded``.
+updated in place on each rank's shards, saved in the run's checkpoint:
+``save_sharded(dir, model, optimizer, extra={"ema": ema})``.
 """
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-
 from ampkit.parallel import full_state_dict, load_sharded, save_sharded
 
 from ._launch import run
@@ -44,8 +43,7 @@ def save_worker(rank, world_size, root):
             update(ema, model)
             states.append(full_state_dict(model))
         out[level] = {"ema": full(ema), "states": states}
-        save_sharded(f"{root}/{level}", model, opt)
-        dcp.save({"ema": ema}, checkpoint_id=f"{root}/{level}/ema")
+        save_sharded(f"{root}/{level}", model, opt, extra={"ema": ema, "step": STEPS})
     return out
 
 
@@ -54,9 +52,10 @@ def load_worker(rank, world_size, root):
     for level in LEVELS:
         model, opt = build(level, seed=100)
         load_sharded(f"{root}/{level}", model, opt)
-        ema = ema_of(model)  # the template: sharded like this run's model
-        dcp.load({"ema": ema}, checkpoint_id=f"{root}/{level}/ema")
-        out[level] = full(ema)
+        extra = {"ema": ema_of(model), "step": 0}  # the template: sharded like this run's model
+        load_sharded(f"{root}/{level}", model, opt, extra=extra)
+        out[level] = full(extra["ema"])
+        out[f"{level}/step"] = extra["step"]
     return out
 
 
@@ -86,3 +85,4 @@ def test_ema_of_a_sharded_model_accumulates_in_float32(runs, level):
 def test_ema_resumes_with_the_run_on_another_number_of_ranks(runs, level):
     saved, loaded = runs[0][0][level]["ema"], runs[1][0][level]
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+    assert runs[1][0][f"{level}/step"] == STEPS

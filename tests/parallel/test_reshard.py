@@ -54,3 +54,15 @@ def test_saved_template_has_the_saved_keys_and_shapes(tmp_path):
     assert gens["cpu"].shape == rows.shape and gens["cpu"].dtype == torch.uint8
     assert saved_template(saved_metadata(tmp_path), "run") is None
     assert saved_metadata(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("call", ["save_sharded", "load_sharded"])
+def test_extra_that_is_not_a_dict_is_refused_before_anything(tmp_path, call):
+    import ampkit
+    from ampkit import parallel
+
+    model = torch.nn.Linear(2, 2)
+    model, opt = ampkit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O5", verbosity=0)
+    with pytest.raises(TypeError, match=rf"ampkit.parallel.{call}\(extra=list\): expected a dict"):
+        getattr(parallel, call)(tmp_path / "c", model, opt, extra=[1])
+    assert not (tmp_path / "c").exists()
