@@ -20,7 +20,10 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
 * O0: plain FSDP2.
 
 Loss scaling is ampkit's: each rank checks its gradient shards and the found-inf flag is
-MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps.
+MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps. A 2-D mesh
+(``fsdp_kwargs={"mesh": ...}``, replicate x shard) gives HSDP: the shard index, and so the
+rounding stream, is the rank's index along the last dimension, so replicas round alike.
+Checkpoints load on any number of ranks, mesh and level (``reshard.py``).
 """
 import dataclasses
 import os
@@ -39,6 +42,7 @@ from ..core.errors import NoEffectWarning
 from ..core.levels import HALF_DTYPES, REMAINDER
 from ..core.run import ROUNDING_KEY
 from ..install.shards import is_dtensor, local
+from . import reshard
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
 
@@ -289,31 +293,114 @@ def check_metadata(checkpoint_id) -> None:
         ) from None
 
 
-def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Optional[dict] = None) -> None:
     """Save model, optimizer and loss scalers with ``torch.distributed.checkpoint``: each rank
     writes its own shards (collective: call on every rank).
 
     ``checkpoint_id``: the checkpoint's directory (or anything ``dcp.save`` takes as one);
-    ``model``, ``optimizer``: as ``initialize(..., fsdp=True)`` returned them.
+    ``model``, ``optimizer``: as ``initialize(..., fsdp=True)`` returned them; ``extra``: a dict
+    of what else belongs to the run (tensors, DTensors such as an EMA's shards, plain values),
+    saved under ``"extra"``. The directory is marked incomplete until every rank has written its
+    part: :func:`load_sharded` refuses a checkpoint whose save did not finish.
     """
     run = registry.of_optimizer("ampkit.parallel.save_sharded()", optimizer)
+    _check_extra("save_sharded", extra)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    amp = _amp_state(run, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state, "amp": amp}, checkpoint_id=checkpoint_id)
+    state = {"model": model_state, "optimizer": optim_state, "amp": _amp_state(run, optimizer),
+             "run": reshard.describe(run.properties, _shards(optimizer)[1])}
+    if extra is not None:
+        state["extra"] = extra
+    with reshard.writing(checkpoint_id):
+        dcp.save(state, checkpoint_id=checkpoint_id)
 
 
-def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Optional[dict] = None) -> None:
     """Load what :func:`save_sharded` wrote under ``checkpoint_id`` into a model and optimizer
-    prepared by the same ``initialize`` call (same level, same world size for a bit-exact resume)."""
-    run = registry.of_optimizer("ampkit.parallel.load_sharded()", optimizer)
+    prepared by ``initialize(..., fsdp=True)``: on any number of ranks and mesh shape, and at
+    any level (the state is float32; see the README's resume rules). The same level on the
+    same number of shards resumes bit-exactly; rounding generators of shards the saving run
+    did not have follow :func:`reshard.rounding_of_shard`. ``extra``: a dict shaped like the
+    one saved (its tensors laid out as this run wants them), loaded in place."""
+    caller = "ampkit.parallel.load_sharded"
+    run = registry.of_optimizer(f"{caller}()", optimizer)
+    _check_extra("load_sharded", extra)
     check_metadata(checkpoint_id)
+    reshard.check_complete(checkpoint_id)
     dcp, sd = _dcp()
+    saved = _saved_run_state(checkpoint_id, run, optimizer)  # checked before anything changes
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state, "amp": _amp_state(run, optimizer)}
-    dcp.load(state, checkpoint_id=checkpoint_id)
+    state = {"model": model_state, "optimizer": optim_state}
+    if saved is None:  # not a directory (a storage reader): the keys of this run
+        state["amp"] = _amp_state(run, optimizer)
+    if extra is not None:
+        state["extra"] = extra
+    _dcp_load(state, checkpoint_id, saved, run, optimizer)
+    amp = saved["amp"] if saved is not None else _own_rounding(state["amp"], 0)
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    run.load_state_dict(_own_rows(state["amp"]), "ampkit.parallel.load_sharded")
+    run.load_state_dict(amp, caller)
+    if run.rounding is not None and ROUNDING_KEY not in amp:  # see reshard.rounding_of_shard
+        run.rounding.manual_seed(run.rounding.seed)  # get_state_dict's initializing step drew from them
+
+
+def _saved_run_state(checkpoint_id, run, optimizer) -> Optional[dict]:
+    """The checkpoint's ``"run"`` record and its ``"amp"`` entry as this rank's
+    ``run.state_dict()`` (:func:`_own_rounding`), read with the keys that were saved and
+    checked against ``run``; None where ``checkpoint_id`` is not a checkpoint directory."""
+    metadata = reshard.saved_metadata(checkpoint_id)
+    if metadata is None:
+        return None
+    state = {k: reshard.saved_template(metadata, k) for k in ("amp", "run")}
+    state = {k: v for k, v in state.items() if v is not None}
+    _dcp_load(state, checkpoint_id, None, run, optimizer)
+    state["amp"] = _own_rounding(state.get("amp", {}), _shards(optimizer)[0])
+    if run.rounding is None:  # a level without generators: nothing to continue (as ampkit.checkpoint.load)
+        state["amp"].pop(ROUNDING_KEY, None)
+    run.check_state(state["amp"], "ampkit.parallel.load_sharded")
+    return state
+
+
+def _dcp_load(state: dict, checkpoint_id, saved: Optional[dict], run, optimizer) -> None:
+    """``dcp.load`` whose errors (a missing key, another shape) name the levels on both sides."""
+    dcp, _ = _dcp()
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        dcp.load(state, checkpoint_id=checkpoint_id)
+    except (Exception, CheckpointException) as e:
+        raise ValueError(
+            f"ampkit.parallel.load_sharded({_name(checkpoint_id)!r}): {_levels((saved or state).get('run'), run, optimizer)}: "
+            f"the checkpoint does not fit this model and optimizer ({type(e).__name__}: {e})") from e
+
+
+def _check_extra(caller: str, extra) -> None:
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"ampkit.parallel.{caller}(extra={type(extra).__name__}): expected a dict (e.g. "
+                        f"{{'ema': ema_shards, 'step': step}}) or None.")
+
+
+def _name(checkpoint_id):
+    return os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
+
+
+def _shards(optimizer: torch.optim.Optimizer):
+    """``(this rank's shard index, number of shards)`` along the parameters' sharding
+    dimension; ``(0, 1)`` for unsharded parameters."""
+    ref = next((p for g in optimizer.param_groups for p in g["params"] if is_dtensor(p)), None)
+    if ref is None:
+        return 0, 1
+    dim = next((d for d, pl in enumerate(ref.placements) if pl.is_shard()), None)
+    if dim is None:
+        return 0, 1
+    return ref.device_mesh.get_local_rank(dim), ref.device_mesh.size(dim)
+
+
+def _levels(saved, run, optimizer) -> str:
+    """Both sides of a load, for errors: \"written at O5 on 2 shards, loaded at O7 on 4\"."""
+    mine = f"loaded at {reshard.level_name(run.properties)} on {_shards(optimizer)[1]} shard(s)"
+    if not isinstance(saved, dict) or not isinstance(saved.get("level"), str):
+        return f"written by an earlier ampkit (level not recorded), {mine}"
+    return f"written at {saved['level']} on {saved.get('shards')} shard(s), {mine}"
 
 
 def _amp_state(run, optimizer: torch.optim.Optimizer) -> dict:
@@ -342,11 +429,15 @@ def _row(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(value.unsqueeze(0), ref.device_mesh, placements, run_check=False)
 
 
-def _own_rows(amp: dict) -> dict:
-    """:func:`_amp_state` output back as ``run.state_dict()`` is: each rank's own generator states."""
+def _own_rounding(amp: dict, index: int) -> dict:
+    """The loaded ``"amp"`` entry as ``run.state_dict()`` is, with shard ``index``'s generator
+    states (:func:`reshard.rounding_of_shard`)."""
     rounding = amp.get(ROUNDING_KEY)
-    if rounding is not None:
-        rounding["generators"] = {k: local(v)[0] if is_dtensor(v) else v for k, v in rounding["generators"].items()}
+    if isinstance(rounding, dict) and isinstance(rounding.get("generators"), dict):
+        generators = rounding["generators"]
+        if any(is_dtensor(v) for v in generators.values()):  # loaded as this run's rows: this rank's is its own
+            generators, index = {k: local(v) for k, v in generators.items()}, 0
+        amp = {**amp, ROUNDING_KEY: reshard.rounding_of_shard({**rounding, "generators": generators}, index)}
     return amp
 
 

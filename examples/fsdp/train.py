@@ -2,12 +2,16 @@
 
     torchrun --standalone --nproc_per_node 2 examples/fsdp/train.py --opt-level O5
 
+    # several nodes: the same command on each machine (HOST0: the address of one of them)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
+        --rdzv-id run1 examples/fsdp/train.py --opt-level O7
+
 ``initialize(..., fsdp=True)`` applies ``torch.distributed.fsdp.fully_shard`` to every
 transformer block and to the root, with the opt level mapped onto FSDP2's
 ``MixedPrecisionPolicy``. Runs on CPUs (gloo) and, unchanged, on GPUs (NCCL, one GPU per
 process). ``--checkpoint-dir`` saves a sharded DCP checkpoint at the end (each rank writes
-its shards) and ``--resume`` continues from it; ``--export`` writes one float32 state dict
-from rank 0 for use without FSDP.
+its shards) and ``--resume`` continues from it, on any number of processes and at any
+level; ``--export`` writes one float32 state dict from rank 0 for use without FSDP.
 """
 import argparse
 import gc

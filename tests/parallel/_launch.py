@@ -104,3 +104,38 @@ def torchrun_example(script, *args, nproc=2):
             proc.wait()
     assert proc.returncode == 0, output
     return output
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process may take it before it is used)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_nodes(script, *args, nnodes=2, nproc=2):
+    """Run ``examples/<script>`` as ``nnodes`` torchrun launchers on this machine, each with
+    ``--nnodes nnodes --nproc-per-node nproc`` and a c10d rendezvous on 127.0.0.1 (as on
+    ``nnodes`` machines); return each launcher's output, or fail with them when one exits
+    non-zero."""
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "ampkit-test",
+           "--local-addr", "127.0.0.1", str(ROOT / "examples" / script), *map(str, args)]
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for _ in range(nnodes)]
+    outputs = []
+    try:
+        deadline = time.monotonic() + 600
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(outputs)
+    return outputs

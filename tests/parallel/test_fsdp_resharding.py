@@ -1,0 +1,174 @@
+"""Sharded (DCP) checkpoints resumed on another number of ranks (2 -> 1, 3, 4 and 4 -> 2) and
+at another level.
+
+One launch per world size does, for every level in sequence: an uninterrupted run of STEPS
+steps, and (where it saves) a run saved after SAVE_AT steps, or (where it loads) two loads of
+the other size's checkpoint, each continued to STEPS. The global batch (12 samples) is cut
+into one equal part per rank at every size. One more launch on 2 ranks loads each level's
+2-rank checkpoint at every other level.
+"""
+import pytest
+import torch
+
+from ampkit.parallel import full_state_dict, load_sharded, save_sharded
+
+from ._launch import run
+from ._tiny import LEVELS, assert_state_equal, build, snapshot, train
+
+pytestmark = pytest.mark.slow
+
+STEPS, SAVE_AT = 4, 2
+# Against an uninterrupted run at the new size: the ranks' gradients are sums over other
+# groupings of the samples (and FSDP2 sums them in another order), so the losses agree to
+# the rounding of the compute dtype, not bit for bit.
+TOLERANCE = {"O2": dict(rtol=2e-3, atol=2e-3)}
+BF16 = dict(rtol=1e-2, atol=1e-2)
+# (saving size, loading size): the parametrized cases and the launches they need
+MOVES = [(2, 1), (2, 3), (2, 4), (4, 2)]
+
+
+def worker(rank, world_size, root, load_from):
+    """Per level: ``"<level>/uninterrupted"`` losses; with ``load_from=None`` a checkpoint saved
+    after SAVE_AT steps (and its snapshot), else two loads of the ``load_from``-rank checkpoint
+    (snapshots after loading and the losses that follow)."""
+    out = {}
+    for level in LEVELS:
+        model, opt = build(level, seed=0)
+        out[f"{level}/uninterrupted"] = train(model, opt, range(STEPS), rank, world_size)
+        if load_from is None:
+            model, opt = build(level, seed=0)
+            train(model, opt, range(SAVE_AT), rank, world_size)
+            out[f"{level}/saved"] = snapshot(model, opt)
+            save_sharded(f"{root}/{world_size}/{level}", model, opt)
+            continue
+        for attempt in (0, 1):
+            model, opt = build(level, seed=100 + attempt)
+            load_sharded(f"{root}/{load_from}/{level}", model, opt)
+            out[f"{level}/loaded{attempt}"] = snapshot(model, opt)
+            out[f"{level}/losses{attempt}"] = train(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+            out[f"{level}/after{attempt}"] = snapshot(model, opt)["model"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``launches(world_size, load_from)``: each rank's worker output, launched once."""
+    root, done = str(tmp_path_factory.mktemp("reshard")), {}
+
+    def get(world_size, load_from=None):
+        if load_from is not None:
+            get(load_from)  # the checkpoint it loads
+        key = (world_size, load_from)
+        if key not in done:
+            done[key] = run(worker, world_size, root, load_from, timeout=900, pg_timeout=600)
+        return done[key]
+    get.root = root
+    return get
+
+
+@pytest.mark.parametrize("saved, loaded", MOVES, ids=[f"{a}to{b}" for a, b in MOVES])
+@pytest.mark.parametrize("level", LEVELS)
+def test_checkpoint_loads_on_another_number_of_ranks(launches, saved, loaded, level):
+    """Model (full_state_dict), optimizer state and loss scalers after the load equal what was
+    saved, bit for bit (O8's state: within one code, see above); training continues within the
+    level's tolerance of an uninterrupted run at the new size."""
+    want = launches(saved)[0][f"{level}/saved"]
+    ranks = launches(loaded, saved)
+    got = ranks[0]
+    assert_state_equal(got[f"{level}/loaded0"], want, level, f"{saved} -> {loaded} ranks")
+    assert all(r[f"{level}/loaded0"]["model"] == {} for r in ranks[1:])  # the full state is rank 0's
+    torch.testing.assert_close(torch.tensor(got[f"{level}/losses0"]),
+                               torch.tensor(got[f"{level}/uninterrupted"][SAVE_AT:]), **TOLERANCE.get(level, BF16))
+
+
+@pytest.mark.parametrize("saved, loaded", MOVES, ids=[f"{a}to{b}" for a, b in MOVES])
+@pytest.mark.parametrize("level", LEVELS)
+def test_two_loads_at_one_size_continue_bit_identically(launches, saved, loaded, level):
+    for rank in launches(loaded, saved):
+        assert rank[f"{level}/losses0"] == rank[f"{level}/losses1"]
+        a, b = rank[f"{level}/after0"], rank[f"{level}/after1"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert all(torch.equal(rank[f"{level}/loaded0"]["generators"][d], g)
+                   for d, g in rank[f"{level}/loaded1"]["generators"].items())
+
+
+@pytest.mark.parametrize("saved, loaded", MOVES, ids=[f"{a}to{b}" for a, b in MOVES])
+@pytest.mark.parametrize("level", ["O7", "O8"])
+def test_rounding_generators_follow_the_documented_rule(launches, saved, loaded, level):
+    """Shard r continues the saving run's shard r; a shard it did not have gets the state
+    ``rounding_of_shard`` derives (none equal to another's)."""
+    from ampkit.parallel.reshard import rounding_of_shard
+
+    rows = torch.stack([r[f"{level}/saved"]["generators"]["cpu"] for r in launches(saved)])
+    seed = 0
+    states = [r[f"{level}/loaded0"]["generators"]["cpu"] for r in launches(loaded, saved)]
+    for index, state in enumerate(states):
+        if index < saved:
+            assert torch.equal(state, rows[index]), index
+        expected = rounding_of_shard({"seed": seed, "generators": {"cpu": rows}}, index)["generators"]["cpu"]
+        assert torch.equal(state, expected), index
+    assert len({bytes(s.numpy()) for s in states}) == len(states)
+
+
+# -- another level -------------------------------------------------------------------------
+
+def level_worker(rank, world_size, root):
+    """Each level's 2-rank checkpoint loaded at every level (``"<saved>-><loaded>"``: the
+    snapshot after the load, the losses that follow); and an AdamW checkpoint refused by SGD."""
+    out = {}
+    for saved in LEVELS:
+        for loaded in LEVELS:
+            model, opt = build(loaded, seed=100)
+            load_sharded(f"{root}/2/{saved}", model, opt)
+            out[f"{saved}->{loaded}"] = snapshot(model, opt)
+            out[f"{saved}->{loaded}/losses"] = train(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    model, opt = build("O7", seed=100, sgd=True)
+    before = full_state_dict(model)
+    try:
+        load_sharded(f"{root}/2/O5", model, opt)
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in full_state_dict(model).items())
+    return out
+
+
+@pytest.fixture(scope="module")
+def across_levels(launches, tmp_path_factory):
+    launches(2)
+    return run(level_worker, 2, launches.root, timeout=900, pg_timeout=600)
+
+
+ROUNDED_WEIGHTS = ("O7", "O8")  # bf16 weights without masters: fp32 masters load rounded to nearest
+
+
+@pytest.mark.parametrize("loaded", LEVELS)
+@pytest.mark.parametrize("saved", LEVELS)
+def test_checkpoint_loads_at_another_level(launches, across_levels, saved, loaded):
+    """Masters (O2, O5, remainder) take the saved float32 model exactly; O7/O8's bf16 weights
+    take it rounded to nearest (exact from O7/O8, whose weights are bf16 values); the float32
+    optimizer state loads exactly (O8: within one code, exactly from O8 on as many shards);
+    loss scalers as saved; O7/O8 continue the saved generators, or start from the seed plus
+    the shard index after a level without them. Training goes on within bf16 tolerance of an
+    uninterrupted run at the new level."""
+    want = launches(2)[0][f"{saved}/saved"]
+    got = across_levels[0][f"{saved}->{loaded}"]
+    if loaded in ROUNDED_WEIGHTS:
+        want = {**want, "model": {k: v.bfloat16().float() for k, v in want["model"].items()}}
+    exact_state = loaded != "O8" or saved == "O8"
+    assert_state_equal(got, want, "O7" if exact_state else "O8", f"{saved} -> {loaded}")
+    for index, rank in enumerate(across_levels):
+        state = rank[f"{saved}->{loaded}"]["generators"]
+        if saved in ("O7", "O8") and loaded in ("O7", "O8"):
+            assert torch.equal(state["cpu"], launches(2)[index][f"{saved}/saved"]["generators"]["cpu"])
+        else:  # none, or restarted: made from the seed plus the shard index at their first use
+            assert state == {}
+    torch.testing.assert_close(torch.tensor(across_levels[0][f"{saved}->{loaded}/losses"]),
+                               torch.tensor(launches(2)[0][f"{loaded}/uninterrupted"][SAVE_AT:]), **BF16)
+
+
+def test_checkpoint_of_another_optimizer_is_refused_naming_both_levels(across_levels):
+    for rank in across_levels:
+        message = rank["refused"]
+        assert "written at O5 on 2 shard(s), loaded at O7 on 2 shard(s)" in message, message
+        assert "momentum_buffer" in message, message
+        assert rank["unchanged"]
