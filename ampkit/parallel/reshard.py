@@ -109,7 +109,10 @@ def rounding_of_shard(saved: dict, index: int) -> dict:
         except RuntimeError:
             continue  # no such device here: restarts from the seed at its first use (StochasticRounder's rule)
         generators[device] = gen.manual_seed(int.from_bytes(h.digest()[:8], "little") >> 1).get_state()
-    return {"seed": saved["seed"], "generators": generators}
+    out = {"seed": saved["seed"], "generators": generators}
+    if "step" in saved:  # O7's counter-based bits: the step count is the whole state, the same on every shard
+        out["step"] = saved["step"]
+    return out
 
 
 @contextlib.contextmanager
