@@ -56,7 +56,7 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, draws: Opt
     """Write float32 ``x`` (flat) into the codes ``q`` (int8 or uint8, ``x``'s shape) and the
     float32 ``scales`` (``num_blocks(x.numel(), block_size)``), rounding stochastically with
     ``draws`` (int32, ``x``'s shape, uniform in ``[0, 2**24)``: :func:`counter_draws`), or to
-    nearest (ties down) when ``None``: a value on the grid comes back exactly either way. With int8 codes, ``limit``
+    nearest (ties toward zero) when ``None``: a value on the grid comes back exactly either way. With int8 codes, ``limit``
     (float32, ``x``'s shape, overwritten; NaN: no limit) caps each stored magnitude: a code
     never exceeds ``limit / s``."""
     _check(q, scales, x, block_size, "quantize_", "x")

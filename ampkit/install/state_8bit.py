@@ -10,9 +10,10 @@ of :data:`BLOCK` flat elements (``core/blockquant.py``). Signed state (``exp_avg
 when widened. Codes are rounded stochastically with counter bits (``core/counter_bits.py``):
 element ``i`` of the parameter's full tensor draws from ``(seed, step, the parameter's index
 in the optimizer, 1 + j, i)``, ``j`` the key's place among the parameter's packed keys in
-sorted order (Adam: ``exp_avg`` 1, ``exp_avg_sq`` 2), so the codes do not depend on chunking,
+sorted order (Adam: ``exp_avg`` 1, ``exp_avg_sq`` 2). So the draws do not depend on chunking,
 thread count, shard layout or world size, and nothing but the rounder's seed and step
-checkpoints. A step widens and packs each device's entries of
+checkpoints; the codes do not either where FSDP2 cuts the shards at multiples of
+:data:`BLOCK` elements (the blocks, and so the scales, are the local shard's). A step widens and packs each device's entries of
 one code in one call, their tensors laid out back to back from block boundaries: the
 blocks, and so the scales, stay per tensor whatever the chunking.
 
@@ -185,7 +186,7 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
                 limit = _limit(group, x, values, caps, roots)
             q = torch.empty(x.numel(), dtype=code, device=x.device)
             scales = torch.empty(x.numel() // BLOCK, device=x.device)
-            draws = _draws(rounder, [where[(id(st), k)] for st, k, _ in group], values, x) if where else None
+            draws = None if rounder is None else _draws(rounder, [where[(id(st), k)] for st, k, _ in group], values, x)
             quantize_(q, scales, x, draws, BLOCK, limit)
             if code == torch.uint8 and caps:
                 bounding = {cap[0] for cap in caps.values()}
