@@ -159,7 +159,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
     payload = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "amp": run.state_dict(),  # loss scalers, and the rounding generators at O7
+        "amp": run.state_dict(),  # loss scalers, and the rounder's seed and step at O7 and O8
         "extra": {} if extra is None else extra,
         "optimizer_class": _class_name(optimizer),
     }

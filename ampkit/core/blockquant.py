@@ -18,7 +18,10 @@ and one byte per element, in one of two codes chosen by the byte tensor's dtype:
 only, never its block's scale or its neighbours' codes. An all-zero block stores zeros.
 
 A value rounds to one of its two neighbouring codes, up with probability equal to its
-position between them, from 24 random bits of ``generator``. Scaling by a power of two
+position between them, from 24 random bits per element: :func:`counter_draws`, the low 24 of
+the counter bits of ``core/counter_bits.py`` (a pure function of the run's seed, the step, the
+tensor, the stream and the element's index: the same for any chunking, thread count or shard
+layout), or none (round to nearest). Scaling by a power of two
 is exact, as is the split into a lower code and a fraction (the codes are float bit
 patterns, or integers), so a value already on the grid comes back exactly, and the
 rounding is unbiased: ``E[dequantize(quantize(x))] == x`` exactly when the fraction is a
@@ -27,15 +30,20 @@ and otherwise high by less than ``2**-24`` of the step. An int8 ``limit`` caps e
 code's magnitude (rounding toward zero where it binds, the only place it is biased).
 """
 import functools
+from typing import Optional
 
 import torch
 
-__all__ = ["quantize_", "dequantize", "num_blocks"]
+from . import counter_bits
+from .counter_bits import Index
+
+__all__ = ["quantize_", "dequantize", "num_blocks", "counter_draws"]
 
 _TOP = {torch.int8: 127.0, torch.uint8: 1.8125}  # the largest finite code's value, in units of s
 _SUB = 2.0 ** -14  # uint8: the least normal code's value (E = 1, M = 0), in units of s
 _BIAS = (127 - 15) << 4  # uint8: float32 bits >> 19, less this, is the code of a normal value
 NAN_INT8, NAN_UINT8, INF_UINT8 = -128, 254, 255  # the codes of non-finite values
+_DRAW_BLOCK = 1 << 15  # elements per block of counter_draws
 
 
 def num_blocks(numel: int, block_size: int = 256) -> int:
@@ -43,14 +51,18 @@ def num_blocks(numel: int, block_size: int = 256) -> int:
     return -(-numel // _check_block(block_size))
 
 
-def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=None, block_size: int = 256,
-              limit=None) -> None:
+def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, draws: Optional[torch.Tensor] = None,
+              block_size: int = 256, limit=None) -> None:
     """Write float32 ``x`` (flat) into the codes ``q`` (int8 or uint8, ``x``'s shape) and the
     float32 ``scales`` (``num_blocks(x.numel(), block_size)``), rounding stochastically with
-    ``generator`` (the device's default generator when ``None``). With int8 codes, ``limit``
+    ``draws`` (int32, ``x``'s shape, uniform in ``[0, 2**24)``: :func:`counter_draws`), or to
+    nearest (ties toward zero) when ``None``: a value on the grid comes back exactly either way. With int8 codes, ``limit``
     (float32, ``x``'s shape, overwritten; NaN: no limit) caps each stored magnitude: a code
     never exceeds ``limit / s``."""
     _check(q, scales, x, block_size, "quantize_", "x")
+    if draws is not None and (not torch.is_tensor(draws) or draws.dtype != torch.int32 or draws.shape != x.shape
+                              or draws.device != x.device):
+        raise TypeError(f"quantize_: draws must be an int32 tensor of x's shape {tuple(x.shape)} on x's device.")
     if limit is not None:
         _check_limit(q, x, limit)
     if not x.numel():
@@ -63,8 +75,8 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, generator=
     scales.copy_(_scales(y, q.dtype, block_size))
     _by_block_(y, scales, block_size, torch.Tensor.div_)
     low, frac = _split_linear(y) if signed else _split_e4m4(y)
-    draw = _draws(x.numel(), x.device, generator)
-    low.add_(draw.float().lt_(frac.mul_(1 << 24)))
+    up = frac.gt_(0.5) if draws is None else draws.float().lt_(frac.mul_(1 << 24))  # exact: 24 bits fit a float
+    low.add_(up)
     if limit is not None:
         cap = _by_block_(limit, scales, block_size, torch.Tensor.div_).floor_()
         low.clamp_max_(cap.nan_to_num_(nan=float("inf"), posinf=float("inf")))
@@ -110,11 +122,18 @@ def _values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return values.to(device)
 
 
-def _draws(n: int, device, generator) -> torch.Tensor:
-    """``n`` uniform 24-bit integers (int32): the low 24 bits of each 32-bit half of uniform
-    64-bit words, one full-range call (1.3-1.7x faster on CPU than a ranged int32 draw per element)."""
-    words = torch.empty(-(-n // 2), dtype=torch.int64, device=device).random_(-2**63, None, generator=generator)
-    return words.view(torch.int32)[:n].bitwise_and_((1 << 24) - 1)
+def counter_draws(out: torch.Tensor, seed: int, step: int, tensor: int, stream: int, index: Index) -> torch.Tensor:
+    """Fill int32 ``out`` (flat) with uniform 24-bit integers: the low 24 of the counter bits
+    (:func:`counter_bits.bits32`) of ``(seed, step, tensor, stream)`` at the elements ``index,
+    index + 1, ...`` (an int), or at ``index`` (an int64 tensor of ``out``'s size); return it.
+    In blocks, so the int64 words stay in cache."""
+    index = index.reshape(-1).to(out.device) if torch.is_tensor(index) else index
+    for lo in range(0, out.numel(), _DRAW_BLOCK):
+        hi = min(out.numel(), lo + _DRAW_BLOCK)
+        at = index[lo:hi] if torch.is_tensor(index) else index + lo
+        bits = counter_bits.bits32(seed, step, tensor, stream, at, hi - lo, out.device)
+        out[lo:hi] = bits.bitwise_and_((1 << 24) - 1)
+    return out
 
 
 def _scales(absx: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:

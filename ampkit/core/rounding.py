@@ -102,16 +102,20 @@ def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, t
 
 
 class StochasticRounder:
-    """The run's rounding randomness: a seed and a step counter, and (for O8's 8-bit codes)
-    one seeded generator per device; ``state_dict`` captures them for bit-exact resume.
+    """The run's rounding randomness: a seed and a step counter; ``state_dict`` captures them
+    for bit-exact resume.
 
-    :meth:`round_` (O7's weights and half state) takes its bits from
-    ``core/counter_bits.py``: a pure function of ``(seed, step, tensor, element, stream)``,
-    the same for any chunking, thread count, shard layout or world size. ``step`` counts the
-    optimizer steps that rounded (:meth:`advance`; a skipped step does not).
+    :meth:`round_` (O7's and O8's weights, O7's half state) and O8's 8-bit codes
+    (``install/state_8bit.py``) take their bits from ``core/counter_bits.py``: a pure
+    function of ``(seed, step, tensor, element, stream)``, the same for any chunking, thread
+    count, shard layout or world size. ``step`` counts the optimizer steps that rounded
+    (:meth:`advance`; a skipped step does not).
 
-    The generators start from ``seed + stream``; ``stream`` is 0 but on FSDP2, where it is
-    the rank's index among the shards, so that different shards draw different codes.
+    Nothing in ampkit draws from :meth:`generator` any more: the per-device generators (from
+    ``seed + stream``, ``stream`` the rank's shard index on FSDP2) are kept only because
+    ``parallel/fsdp.py`` still saves them as per-rank rows, and so that checkpoints holding
+    generator states (written when O7 and O8 drew from them) still load: their states are
+    checked and restored, and draw nothing.
     """
 
     def __init__(self, seed: int = 0, stream: int = 0):

@@ -1,8 +1,8 @@
 """The run object: what one ``initialize`` call set up, reached from its models and optimizers.
 
 A :class:`Run` holds the resolved properties, one loss scaler per loss, the stochastic
-rounding generators (O7, O8) and the logging settings. Its state (``state_dict``) is Apex's
-``amp.state_dict()`` plus, at O7, the rounding generators.
+rounder (O7, O8: the seed and step of the counter bits) and the logging settings. Its state
+(``state_dict``) is Apex's ``amp.state_dict()`` plus, at O7 and O8, the rounder's.
 """
 import logging
 import warnings
@@ -13,7 +13,7 @@ from .logs import logger
 from .rounding import StochasticRounder
 from .scaler import LossScaler
 
-ROUNDING_KEY = "stochastic_rounding"  # state_dict() entry of the rounding generators
+ROUNDING_KEY = "stochastic_rounding"  # state_dict() entry of the rounder (seed, step)
 
 
 class Run:

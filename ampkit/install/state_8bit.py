@@ -7,8 +7,13 @@ per element in the parameter's shape, and ``k + SCALES``, a float32 power of two
 of :data:`BLOCK` flat elements (``core/blockquant.py``). Signed state (``exp_avg``,
 ``momentum_buffer``, any key not listed) is int8 linear; the non-negative keys of
 :data:`SQRT_KEYS` (second moments) are uint8 e4m4 codes of their square root, squared again
-when widened. Codes are rounded stochastically with the run's rounding generator of their
-device, so the draws checkpoint with it. A step widens and packs each device's entries of
+when widened. Codes are rounded stochastically with counter bits (``core/counter_bits.py``):
+element ``i`` of the parameter's full tensor draws from ``(seed, step, the parameter's index
+in the optimizer, 1 + j, i)``, ``j`` the key's place among the parameter's packed keys in
+sorted order (Adam: ``exp_avg`` 1, ``exp_avg_sq`` 2). So the draws do not depend on chunking,
+thread count, shard layout or world size, and nothing but the rounder's seed and step
+checkpoints; the codes do not either where FSDP2 cuts the shards at multiples of
+:data:`BLOCK` elements (the blocks, and so the scales, are the local shard's). A step widens and packs each device's entries of
 one code in one call, their tensors laid out back to back from block boundaries: the
 blocks, and so the scales, stay per tensor whatever the chunking.
 
@@ -28,18 +33,18 @@ update in exact Adam (``m / inf``): its first moment is stored as 0, out of its 
 A consumer of ``optimizer.state`` finds no ``exp_avg`` between steps (a KeyError, not int8
 bytes read as numbers); ``optimizer.state_dict()`` holds every such entry widened back to
 float32 under its own key, the format of O7 and plain torch, so a checkpoint loads anywhere.
-Loading quantizes again with a scratch generator, not the run's: a widened value is on the
-grid and comes back exactly, whatever the draws (second moments whenever their square root
-lies between 2**-63 and 2**64, where squaring it is exact).
+Loading quantizes again to nearest, drawing no bits: a widened value is on the grid and comes
+back exactly (second moments whenever their square root lies between 2**-63 and 2**64, where
+squaring it is exact).
 """
 import functools
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.blockquant import dequantize, num_blocks, quantize_
-from .shards import like, local
+from ..core.blockquant import counter_draws, dequantize, num_blocks, quantize_
+from .shards import global_index, like, local
 
 BLOCK = 256
 CODES, SCALES = ".codes", ".scales"
@@ -157,13 +162,16 @@ def widen(entries: List[Held]) -> None:
                 del st[k + CODES], st[k + SCALES]
 
 
-def pack(states, generator: Callable[[torch.device], torch.Generator], reuse: Dict[tuple, tuple], optimizer=None) -> None:
+def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: Optional[dict] = None) -> None:
     """Store every packable entry of ``states`` (``[(state, param)]``, each param as it sits in
-    ``optimizer``'s param groups) as codes and scales, rounded with ``generator(device)``, one
-    quantize per device and code (second moments first: they cap the first moments of
-    :data:`BOUNDED` optimizers); into the codes and scales ``reuse[(id(state), key)]`` where
-    the entry had some."""
+    ``optimizer``'s param groups) as codes and scales, one quantize per device and code (second
+    moments first: they cap the first moments of :data:`BOUNDED` optimizers); into the codes
+    and scales ``reuse[(id(state), key)]`` where the entry had some. Rounded stochastically
+    with the counter bits of ``rounder`` (its ``seed`` and ``step``; ``ids[param]``, the
+    parameter's index among the optimizer's), or to nearest when ``rounder`` is None (loaded
+    state, on the grid already)."""
     entries = [(st, k, v) for st, p in states for k, v in st.items() if packable(k, v, p)]
+    where = _draw_sites(states, ids) if rounder is not None else {}
     caps, roots = _caps(states, optimizer), {}
     groups = _groups(entries, lambda e: e[2], lambda e: code_dtype(e[1]))
     with torch.no_grad():
@@ -178,7 +186,8 @@ def pack(states, generator: Callable[[torch.device], torch.Generator], reuse: Di
                 limit = _limit(group, x, values, caps, roots)
             q = torch.empty(x.numel(), dtype=code, device=x.device)
             scales = torch.empty(x.numel() // BLOCK, device=x.device)
-            quantize_(q, scales, x, generator(x.device), BLOCK, limit)
+            draws = None if rounder is None else _draws(rounder, [where[(id(st), k)] for st, k, _ in group], values, x)
+            quantize_(q, scales, x, draws, BLOCK, limit)
             if code == torch.uint8 and caps:
                 bounding = {cap[0] for cap in caps.values()}
                 stored = _segments(dequantize(q, scales, x, BLOCK), values)
@@ -189,6 +198,28 @@ def pack(states, generator: Callable[[torch.device], torch.Generator], reuse: Di
             for (st, k, v), (c, s) in zip(group, made):
                 del st[k]
                 st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales the shard's
+
+
+def _draw_sites(states, ids: dict) -> Dict[tuple, tuple]:
+    """``(id(state), key) -> (tensor, stream, index)`` of each packable entry: its parameter's
+    index among the optimizer's, ``1 +`` the key's place among the parameter's packable keys
+    in sorted order (the same whatever order the state dict holds them in), and where its
+    elements sit in the full parameter (FSDP2: the shard's offset)."""
+    out = {}
+    for st, p in states:
+        keys = sorted(k for k, v in st.items() if packable(k, v, p))
+        first = global_index(p) if keys else 0
+        out.update({(id(st), k): (ids[p], 1 + j, first) for j, k in enumerate(keys)})
+    return out
+
+
+def _draws(rounder, sites: List[tuple], values: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The 24-bit draws of the group's flat buffer ``x`` (laid out as :func:`_layout` says):
+    each tensor's segment from its own counter bits, the padding 0 (its values are 0, on the grid)."""
+    draws = torch.zeros(x.numel(), dtype=torch.int32, device=x.device)
+    for segment, (tensor, stream, index) in zip(_segments(draws, values), sites):
+        counter_draws(segment.view(-1), rounder.seed, rounder.step, tensor, stream, index)
+    return draws
 
 
 def _caps(states, optimizer) -> Dict[tuple, tuple]:

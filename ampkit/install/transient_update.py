@@ -73,6 +73,7 @@ class TransientUpdate:
         self.rounder = rounder
         self.state_dtype = state_dtype
         self.ids = {}  # parameter -> its index among the optimizer's (the counter bits' tensor)
+        self.skipped_chunks = 0  # this step's chunks that wrote nothing (non-finite weights)
 
     def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], params: List[torch.Tensor],
                    streams: Optional[List[int]] = None) -> None:
@@ -104,7 +105,7 @@ class TransientUpdate:
         parts = chunks(slots, CHUNK_ELEMENTS)
         several = len(parts) > 1  # then each call starts from the groups as the step found them
         result, before, after = None, _group_settings(opt) if several else {}, {}
-        held = len(opt.state)
+        held, self.skipped_chunks = len(opt.state), 0
         try:
             if fused:
                 fused_update.step(opt, fused, grads, self.state_dtype, self.rounder, self.ids)
@@ -121,8 +122,8 @@ class TransientUpdate:
             _restore_group_settings(opt, {**before, **after})  # one step's worth of group counters
         if fused or len(opt.state) != held:  # the fused path never re-keys: keep one order, the parameters'
             _order_state(opt, self.ids)
-        if self.rounder is not None:
-            self.rounder.advance()
+        if self.rounder is not None and (fused or not parts or self.skipped_chunks < len(parts)):
+            self.rounder.advance()  # not after a step skipped whole (non-finite weights): it rounded nothing
         return result
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -174,6 +175,7 @@ class TransientUpdate:
             if kept is not None and self._nonfinite(chunk, flat[:sum(w.numel() for w in weights)] if half else None):
                 state_8bit.restore(opt.state, kept[0], lambda p: copy_of[p][0] if p in copy_of else p)
                 _restore_group_settings(opt, kept[1])
+                self.skipped_chunks += 1
                 return result
             with torch.no_grad():
                 if rems is not None:
@@ -182,7 +184,8 @@ class TransientUpdate:
                     self.round_into(weights, copies, half)
                 in_groups = self.state_dtype == STATE_8BIT  # 8-bit caps read each param's group; counter bits its index
                 self._narrow([(opt.state[f], f if in_groups else p) for _, _, p, f in swapped if f in opt.state], False,
-                             {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed})
+                             {(id(st), k): v for st, k, v in stored} or {(id(st), k): (c, s) for st, k, c, s in packed},
+                             {f: self.ids[p] for _, _, p, f in swapped} if in_groups else None)
             return result
         finally:
             for group, i, p, f in swapped:
@@ -226,15 +229,16 @@ class TransientUpdate:
             out.append(r)
         return out
 
-    def _narrow(self, states, exact: bool, stored=None) -> None:
+    def _narrow(self, states, exact: bool, stored=None, ids=None) -> None:
         """Elementwise float32 state to ``state_dtype`` (a half dtype, or 8 bits), into the
-        tensors it was widened from where there are some; rounded with the run's generators,
-        or, when ``exact`` (loaded state, on the grid already), without drawing from them."""
+        tensors it was widened from where there are some; rounded with the run's counter bits
+        (the parameter ``ids[param]``, :attr:`ids` by default), or, when ``exact`` (loaded state,
+        on the grid already), to nearest."""
         if self.state_dtype is None or self.state_dtype == torch.float32:
             return
         if self.state_dtype == STATE_8BIT:
-            return state_8bit.pack(states, _scratch_generator if exact else self.rounder.generator, stored or {},
-                                   self.optimizer)
+            return state_8bit.pack(states, stored or {}, self.optimizer, None if exact else self.rounder,
+                                   self.ids if ids is None else ids)
         found = [(st, k, v, p, 1 + j) for st, p in states
                  for j, (k, v) in enumerate((k, v) for k, v in st.items() if _elementwise(k, v, p))
                  if v.dtype != self.state_dtype]  # stream 1 + j: the parameter's j-th elementwise state
@@ -318,11 +322,6 @@ def _load_state_dict(optimizer, state_dict: dict) -> None:
 
 def _copy_into(dsts, srcs) -> None:
     torch._foreach_copy_(dsts, srcs)
-
-
-def _scratch_generator(device) -> torch.Generator:
-    """A generator no run owns: codes of values already on the grid do not depend on its draws."""
-    return torch.Generator(device=device).manual_seed(0)
 
 
 def _elementwise(key, value, p: torch.Tensor) -> bool:

@@ -49,7 +49,7 @@ def apply(plan: Plan) -> Run:
 
 
 def _rounds_stochastically(props) -> bool:
-    """Whether the run needs rounding generators: stochastic updates (O7), or 8-bit state (O8)."""
+    """Whether the run needs a stochastic rounder: stochastic updates (O7), or 8-bit state (O8)."""
     return props.update_rounding == "stochastic" or props.optimizer_state_dtype == STATE_8BIT
 
 

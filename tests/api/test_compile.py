@@ -2,8 +2,9 @@
 
 At O7 only the model is compiled: its transient update swaps fresh float32 copies into the
 optimizer's param_groups every step (so a compiled ``torch.optim`` step recompiles every step
-until Dynamo's recompile limit) and its stochastic rounding draws from an explicit generator
-(``Tensor.random_(generator=...)``, a graph break); the step stays eager, as the README says.
+until Dynamo's recompile limit) and its stochastic rounding computes counter bits in eager
+integer kernels (on CPU a C kernel called through ctypes, a graph break); the step stays eager,
+as the README says.
 
 Compiles are expensive here (tens of seconds each with inductor), so the per-level cases
 use the ``aot_eager`` backend: it traces the forward with Dynamo (``fullgraph=True``, so
@@ -55,17 +56,17 @@ def _batches(device="cpu"):
 
 
 def _snapshot(model, opt):
-    """What a skipped step must leave as it was: weights, optimizer state, rounding generators."""
+    """What a skipped step must leave as it was: weights, optimizer state, the rounding state."""
     rounder = opt._ampkit.run.rounding
     weights = list(model.parameters()) + [p for g in opt.param_groups for p in g["params"]]  # masters too
     return ([p.detach().clone() for p in weights],
             [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)],
-            [g.get_state() for g in rounder.generators.values()] if rounder is not None else [])
+            [] if rounder is None else [torch.tensor([rounder.seed, rounder.step])])
 
 
 def _train(level, backend=None, device="cpu"):
     """Losses, skipped steps and final fp32 state of STEPS steps of the documented loop; the
-    skipped step is checked to leave weights, optimizer state and rounding generators as they were."""
+    skipped step is checked to leave weights, optimizer state and the rounding state as they were."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)

@@ -5,14 +5,18 @@ import math
 import pytest
 import torch
 
-from ampkit.core.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, _draws, dequantize, num_blocks, quantize_
+from ampkit.core.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, counter_draws, dequantize, num_blocks, quantize_
 
 B = 256
 
 
+def draws(n: int, seed=0, step=0, tensor=0, stream=1, index=0) -> torch.Tensor:
+    return counter_draws(torch.empty(n, dtype=torch.int32), seed, step, tensor, stream, index)
+
+
 def roundtrip(x: torch.Tensor, dtype, seed=0, block_size=B):
     q, s = torch.empty_like(x, dtype=dtype), torch.empty(num_blocks(x.numel(), block_size))
-    quantize_(q, s, x, torch.Generator().manual_seed(seed), block_size)
+    quantize_(q, s, x, draws(x.numel(), seed), block_size)
     return q, s, dequantize(q, s, torch.empty_like(x), block_size)
 
 
@@ -144,7 +148,7 @@ def test_limit_caps_int8_codes_toward_zero_and_leaves_the_rest_unbiased():
     limit[::3] = float("nan")
     limit[1::7] = 0.0
     q, s = torch.empty_like(x, dtype=torch.int8), torch.empty(4)
-    quantize_(q, s, x, torch.Generator().manual_seed(0), limit=limit.clone())
+    quantize_(q, s, x, draws(x.numel()), limit=limit.clone())
     q_free, s_free, _ = roundtrip(x, torch.int8)
     step = s.repeat_interleave(B)
     assert torch.equal(s, s_free)
@@ -160,34 +164,61 @@ def test_limit_caps_int8_codes_toward_zero_and_leaves_the_rest_unbiased():
         quantize_(torch.empty(B, dtype=torch.int8), torch.empty(1), torch.rand(B), limit=torch.rand(B - 1))
 
 
-def test_generator_reproducible():
+def test_counter_draws_are_a_function_of_seed_step_tensor_stream_and_element():
+    """The same key and elements, the same codes; any other seed, step, tensor or stream, other
+    codes; a run of elements from an offset (an int) equals the same indices given one by one
+    (a tensor), and a piece of a run equals the run's slice (a shard of the full parameter)."""
     x = torch.randn(5000)
-    a, b, c = (roundtrip(x, torch.int8, seed)[0] for seed in (7, 7, 8))
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    g = torch.Generator().manual_seed(3)
-    state = g.get_state()
-    q1, q2, s = torch.empty(5000, dtype=torch.uint8), torch.empty(5000, dtype=torch.uint8), torch.empty(num_blocks(5000))
-    quantize_(q1, s, x.abs(), g)
-    g.set_state(state)
-    quantize_(q2, s, x.abs(), g)
-    assert torch.equal(q1, q2)
+    q = {}
+    for key in [(7, 0, 0, 1), (7, 0, 0, 1), (8, 0, 0, 1), (7, 1, 0, 1), (7, 0, 1, 1), (7, 0, 0, 2)]:
+        out, s = torch.empty(5000, dtype=torch.int8), torch.empty(num_blocks(5000))
+        quantize_(out, s, x, draws(5000, *key))
+        q.setdefault(key, []).append(out)
+    a, b = q[(7, 0, 0, 1)]
+    assert torch.equal(a, b) and all(not torch.equal(a, v[0]) for k, v in q.items() if k != (7, 0, 0, 1))
+    whole = draws(100_000, 3, 4, 5, 6)
+    assert torch.equal(draws(100_000, 3, 4, 5, 6, torch.arange(100_000)), whole)
+    assert torch.equal(draws(40_000, 3, 4, 5, 6, 33_333), whole[33_333:73_333])  # across a block boundary
 
 
-def test_draws_are_24_uniform_bits_from_both_halves_of_each_word():
-    """Every bit of the 24, at even and odd positions (the two halves of a 64-bit word, an odd
-    count), is set half the time; nothing above bit 23; the same generator state, the same draws."""
+@pytest.mark.parametrize("stream", [1, 2])
+def test_draws_are_24_uniform_bits(stream):
+    """Every bit of the 24 is set half the time (5 sigma) in the low (odd stream) and high
+    (even stream) halves of the counter words; nothing above bit 23."""
     n = 2**16 + 1
-    d = _draws(n, torch.device("cpu"), torch.Generator().manual_seed(5))
+    d = draws(n, 5, 0, 0, stream)
     assert d.dtype == torch.int32 and d.numel() == n and d.min() >= 0 and d.max() < 2**24
-    for half in (d[0::2], d[1::2]):
-        ones = torch.stack([half.bitwise_right_shift(b).bitwise_and(1) for b in range(24)]).double().mean(dim=1)
-        assert (ones - 0.5).abs().max() <= 5 * math.sqrt(0.25 / half.numel())
-    assert torch.equal(d, _draws(n, torch.device("cpu"), torch.Generator().manual_seed(5)))
+    ones = torch.stack([d.bitwise_right_shift(b).bitwise_and(1) for b in range(24)]).double().mean(dim=1)
+    assert (ones - 0.5).abs().max() <= 5 * math.sqrt(0.25 / n)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_without_draws_rounds_to_nearest(dtype):
+    """``draws=None`` (loading state already on the grid) rounds each value to its nearest
+    grid neighbour (ties toward zero), never drawing: the same as draws that are all 2**23."""
+    x = block_for(dtype)
+    grid = torch.tensor(GRIDS[dtype], dtype=torch.float64)
+    if dtype == torch.int8:
+        x = x * torch.where(torch.arange(x.numel()) % 2 == 0, 1.0, -1.0)  # both signs
+    q, s = torch.empty_like(x, dtype=dtype), torch.empty(1)
+    quantize_(q, s, x, None, x.numel())
+    y = dequantize(q, s, torch.empty_like(x), x.numel()).double()
+    xd = x.double()
+    nearest = (grid[None, :] - xd.abs()[:, None]).abs().min(dim=1).values
+    assert torch.equal((y - xd).abs(), nearest)
+    tie = nearest.gt(0) & torch.isin(xd.abs() + nearest, grid) & torch.isin(xd.abs() - nearest, grid)
+    assert tie.sum() > 10 and torch.equal(y.abs()[tie], (xd.abs() - nearest)[tie])
+    half = torch.full(x.shape, 2**23, dtype=torch.int32)
+    q2 = torch.empty_like(q)
+    quantize_(q2, s, x, half, x.numel())
+    assert torch.equal(q, q2)
 
 
 def test_empty_and_bad_arguments():
     quantize_(torch.empty(0, dtype=torch.int8), torch.empty(0), torch.empty(0))
     q, s, x = torch.empty(10, dtype=torch.int8), torch.empty(1), torch.zeros(10)
+    with pytest.raises(TypeError, match="draws must be an int32 tensor of x's shape"):
+        quantize_(q, s, x, torch.zeros(10, dtype=torch.int64))
     with pytest.raises(TypeError, match="q must be a flat contiguous tensor of dtype torch.int8 or torch.uint8"):
         quantize_(q.short(), s, x)
     with pytest.raises(TypeError, match="x must be a flat contiguous tensor of dtype torch.float32"):

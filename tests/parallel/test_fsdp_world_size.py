@@ -1,10 +1,14 @@
-"""O7 on FSDP2 gives the single process's weights bit for bit, given identical gradients.
+"""O7 and O8 on FSDP2 give the single process's weights bit for bit, given identical gradients.
 
 The rounding bits are a function of each element's index in its full parameter
 (``core/counter_bits.py``) and the fused AdamW computes each element on its own, so a
 2-rank run (uneven dim-0 shards) and one process agree exactly. The gradients are made
 identical by a loss linear in the weights: every rank's gradient is the same coefficient
 tensor, and FSDP2's average of equal values is that value.
+
+O8's 8-bit state draws its codes from the same counter bits, but its blocks (and so their
+scales) are per shard: it matches the single process where the shards are cut at multiples
+of the block (256 elements), as in :class:`Aligned`.
 """
 import pytest
 import torch
@@ -19,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4
 CASES = {"O7": ({}, "adamw"), "O7/bf16_state": ({"optimizer_state_dtype": torch.bfloat16}, "adamw"),
-         "O7/adam": ({}, "adam")}
+         "O7/adam": ({}, "adam"), "O8": ({}, "adamw"), "O8/adam": ({}, "adam")}
 
 
 class Linear(nn.Module):
@@ -34,13 +38,26 @@ class Linear(nn.Module):
         return sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in self.parameters())
 
 
+class Aligned(Linear):
+    """Shards cut at multiples of 256 elements, uneven: 2 ranks hold 2 and 1 rows of 256, 1 and 1."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.a, self.b = nn.Linear(256, 3, bias=False), nn.Linear(256, 2, bias=False)
+
+
+def _model(case: str) -> nn.Module:
+    return Aligned() if case.startswith("O8") else Linear()
+
+
 def _trained(case: str, distributed: bool):
     kwargs, kind = CASES[case]
     torch.manual_seed(0)
-    model = Linear()
+    model = _model(case)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if kind == "adamw"
            else torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1))
-    model, opt = ampkit.initialize(model, opt, opt_level="O7", verbosity=0, fsdp=distributed, **kwargs)
+    model, opt = ampkit.initialize(model, opt, opt_level=case.split("/")[0], verbosity=0, fsdp=distributed,
+                                   **kwargs)
     for step in range(STEPS):
         opt.zero_grad()
         loss = model(torch.tensor(step))
@@ -67,5 +84,5 @@ def test_two_ranks_equal_one_process_bit_for_bit(two_ranks, case):
     for k in single:
         assert torch.equal(got[k], single[k]), (case, k)
     torch.manual_seed(0)
-    start = {k: v.float() for k, v in Linear().to(torch.bfloat16).state_dict().items()}
+    start = {k: v.float() for k, v in _model(case).to(torch.bfloat16).state_dict().items()}
     assert all(not torch.equal(single[k], start[k]) for k in single)  # every tensor moved
