@@ -7,6 +7,7 @@ block (see ``blocks.py``) continue the previous block's namespace, mark it slow,
 the reason and the test that covers it elsewhere.
 """
 import copy
+import gc
 import warnings
 
 import pytest
@@ -17,7 +18,10 @@ from torch import nn
 import ampkit
 from .blocks import REPO, Block, python_blocks
 
-pytestmark = pytest.mark.repo_files("README.md", "docs")
+# The torch.compile page's block compiles an optimizer step, which imports torch.utils.mkldnn, whose
+# bodies use torch.jit.script_method: torch's own deprecation, not ampkit's.
+pytestmark = [pytest.mark.repo_files("README.md", "docs"),
+              pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")]
 BLOCKS = python_blocks() if (REPO / "docs").exists() else []
 
 
@@ -38,6 +42,23 @@ def namespace(tmp_path) -> dict:
 
 
 _namespaces = {}  # page -> the namespace its last block left (for "continue")
+_made = []  # every namespace a block ran in, emptied when this module ends
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_namespaces():
+    """The blocks' models, optimizers and runs die with this module: a run kept alive here would
+    be another live training run for every later test (the current run, its warnings). A
+    function that Dynamo compiled keeps its globals (the namespace) alive, so each namespace is
+    emptied, not just forgotten."""
+    yield
+    torch._dynamo.reset()
+    for ns in _made:  # the names the pages use; dunders stay (Dynamo keeps its builtins there)
+        for name in [n for n in ns if not n.startswith("__")]:
+            del ns[name]
+    _made.clear()
+    _namespaces.clear()
+    gc.collect()
 
 
 def _param(block):
@@ -51,6 +72,7 @@ def run_block(block, tmp_path) -> None:
         ns = _namespaces[block.path]
     else:
         ns = namespace(tmp_path)
+        _made.append(ns)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ampkit.NoEffectWarning)
         exec(compile(block.code, block.id, "exec"), ns)
