@@ -287,7 +287,7 @@ def _check_amp(where, scalers, amp) -> None:
     expected = [f"loss_scaler{i}" for i in range(len(scalers))]
     if isinstance(amp, dict) and ROUNDING in amp:
         try:
-            StochasticRounder.loadable(ROUNDING, amp[ROUNDING])
+            StochasticRounder.check_state(ROUNDING, amp[ROUNDING])
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from e
         amp = {k: v for k, v in amp.items() if k != ROUNDING}

@@ -11,8 +11,7 @@ def state_dict(destination=None, optimizer=None, model=None) -> dict:
     """Every loss scaler's state, in Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``.
 
     At update_rounding="stochastic" (O7) and with 8-bit optimizer state (O8) also
-    ``"stochastic_rounding"``: the rounder's seed and step (and ``"generators"``, kept for
-    the checkpoint format; nothing draws from them).
+    ``"stochastic_rounding"``: the rounder's seed and step.
 
     Args:
         destination: a dict to fill (and return) instead of a new one.

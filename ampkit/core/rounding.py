@@ -21,7 +21,7 @@ uniform 64-bit integers (each quarter of a uniform 64-bit integer is uniform, th
 independent).
 """
 import ctypes
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -102,34 +102,19 @@ def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, t
 
 
 class StochasticRounder:
-    """The run's rounding randomness: a seed and a step counter; ``state_dict`` captures them
-    for bit-exact resume.
+    """The run's rounding randomness: a seed and a step counter, all of its state
+    (``state_dict``), so resume is bit-exact.
 
     :meth:`round_` (O7's and O8's weights, O7's half state) and O8's 8-bit codes
     (``install/state_8bit.py``) take their bits from ``core/counter_bits.py``: a pure
     function of ``(seed, step, tensor, element, stream)``, the same for any chunking, thread
     count, shard layout or world size. ``step`` counts the optimizer steps that rounded
     (:meth:`advance`; a skipped step does not).
-
-    Nothing in ampkit draws from :meth:`generator` any more: the per-device generators (from
-    ``seed + stream``, ``stream`` the rank's shard index on FSDP2) are kept only because
-    ``parallel/fsdp.py`` still saves them as per-rank rows, and so that checkpoints holding
-    generator states (written when O7 and O8 drew from them) still load: their states are
-    checked and restored, and draw nothing.
     """
 
-    def __init__(self, seed: int = 0, stream: int = 0):
+    def __init__(self, seed: int = 0):
         self.seed = _check_seed(seed)
         self.step = 0
-        self.stream = stream
-        self.generators: Dict[str, torch.Generator] = {}
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        gen = self.generators.get(key)
-        if gen is None:
-            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed + self.stream)
-        return gen
 
     def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], tensors: List[int],
                index: List[Index], stream: int = 0) -> None:
@@ -146,61 +131,44 @@ class StochasticRounder:
         self.step += 1
 
     def manual_seed(self, seed: int) -> None:
-        """Restart from ``seed``: step 0, every generator afresh."""
+        """Restart from ``seed`` at step 0."""
         self.seed = _check_seed(seed)
         self.step = 0
-        self.generators.clear()
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "step": self.step, "generators": {k: g.get_state() for k, g in self.generators.items()}}
+        return {"seed": self.seed, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output: checked whole first (see :meth:`loadable`). A
-        state saved before the step counter existed (only ``seed`` and ``generators``)
-        continues from its seed at step 0: its run drew its bits from the generators, so
-        none of the counter's bits repeat ones it used."""
-        kept = self.loadable("stochastic_rounding", state)
-        self.manual_seed(state["seed"])
+        """Restore :meth:`state_dict` output, checked whole first (:meth:`check_state`). An
+        older state also holds ``"generators"`` (per-device generator states, from when O7
+        and O8 drew from them): they are checked and ignored, and the run continues from
+        the saved seed at the saved step (step 0 in a state saved before the step counter
+        existed: its run drew its bits from the generators, so none repeat)."""
+        self.check_state("stochastic_rounding", state)
+        self.seed = state["seed"]
         self.step = state.get("step", 0)
-        for key, value in kept.items():
-            self.generator(torch.device(key)).set_state(value)
 
     @staticmethod
-    def loadable(name: str, state) -> Dict[str, torch.Tensor]:
-        """The generator states of ``state`` that this machine can load; ValueError if malformed.
-
-        The rule across devices: a generator state belongs to its device type. One saved for a
-        device type this process has no generator for (a CUDA run's state read on a CPU-only
-        machine) is left out, and that device's generator restarts from the saved seed when
-        it is first used. Every kept state is tried on a scratch generator, so a load that
-        passes this check cannot fail half-way.
-        """
-        if (not isinstance(state, dict) or not {"seed", "generators"} <= set(state) <= {"seed", "step", "generators"}
-                or not isinstance(state["generators"], dict)):
-            raise ValueError(f"{name}: expected a dict with 'seed', 'generators' (and 'step'), got {state!r}.")
+    def check_state(name: str, state) -> None:
+        """ValueError naming the key where ``state`` is not a rounder state: ``{"seed", "step"}``,
+        or an older one with ``"generators"`` (a dict of uint8 tensors keyed by device) and
+        perhaps no ``"step"``."""
+        if not isinstance(state, dict) or "seed" not in state or not set(state) <= {"seed", "step", "generators"}:
+            raise ValueError(f"{name}: expected a dict with 'seed' and 'step' (older: and 'generators'), got {state!r}.")
         _check_seed(state["seed"], f"{name}['seed']")
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"{name}['step']={step!r}: expected a non-negative integer.")
-        kept = {}
-        for key, value in state["generators"].items():
-            where = f"{name}['generators'][{key!r}]"
+        generators = state.get("generators", {})
+        if not isinstance(generators, dict):
+            raise ValueError(f"{name}['generators']: expected a dict of generator states, got {type(generators).__name__}.")
+        for key, value in generators.items():
             try:
-                device = torch.device(key)
+                torch.device(key)
             except (RuntimeError, TypeError):
                 raise ValueError(f"{name}['generators']: {key!r} is not a device.") from None
             if not (torch.is_tensor(value) and value.dtype == torch.uint8):
-                raise ValueError(f"{where}: expected a generator state (uint8 tensor).")
-            try:
-                scratch = torch.Generator(device=device)
-            except RuntimeError:
-                continue  # no such device here: see the rule above
-            try:
-                scratch.set_state(value)
-            except RuntimeError as e:
-                raise ValueError(f"{where}: not a {device.type} generator state ({e}).") from None
-            kept[key] = value
-        return kept
+                raise ValueError(f"{name}['generators'][{key!r}]: expected a generator state (uint8 tensor).")
 
 
 def _check_seed(seed, name: str = "seed") -> int:

@@ -75,7 +75,7 @@ class Run:
         for key, value in rest.items():
             LossScaler.check_state(key, value)
         if rounding is not None:
-            StochasticRounder.loadable(ROUNDING_KEY, rounding)
+            StochasticRounder.check_state(ROUNDING_KEY, rounding)
             if self.rounding is None:
                 warnings.warn(f"{caller}: {ROUNDING_KEY!r} has no effect: nothing rounds updates "
                               f"stochastically in this run.", NoEffectWarning, stacklevel=4)

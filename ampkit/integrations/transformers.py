@@ -4,7 +4,7 @@
 before ``accelerator.prepare``), and makes its ``Accelerator`` an ampkit one
 (``ampkit.integrations.accelerate.attach``): ``backward`` runs in ``scale_loss``, ``max_grad_norm``
 clips the fp32 masters, a skipped step is reported as skipped (the LR scheduler holds). Its
-checkpoints hold ampkit's loss scalers and rounding generators (``ampkit.pt``) beside the optimizer.
+checkpoints hold ampkit's loss scalers and rounding state (``ampkit.pt``) beside the optimizer.
 Leave ``fp16``/``bf16`` off: ampkit does the mixed precision.
 """
 import os

@@ -13,16 +13,15 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
   ``MixedPrecisionPolicy(reduce_dtype=float32)`` on bf16 shards, so there is no fp32 copy of
   the weights, all-gathers move bf16 and gradients are summed in float32 (FSDP2 stores the
   reduced gradient in the parameter's dtype, bf16). ``TransientUpdate`` steps each rank's
-  local shards (``install/shards.py``); remainders are local int16 shards; each rank's
-  rounding generators start from the seed plus its shard index and are saved as its row of
-  a DTensor (:func:`save_sharded`).
+  local shards (``install/shards.py``); remainders are local int16 shards; the rounding bits
+  are a pure function of the seed, the step and each element's index in its full parameter
+  (``core/counter_bits.py``), so every rank rounds its shard as one unsharded run would.
 * O1 / O4: fp32 sharded parameters, ``torch.autocast`` inside the model's forward.
 * O0: plain FSDP2.
 
 Loss scaling is ampkit's: each rank checks its gradient shards and the found-inf flag is
 MAX-reduced over all ranks (one all-reduce), so every rank skips the same steps. A 2-D mesh
-(``fsdp_kwargs={"mesh": ...}``, replicate x shard) gives HSDP: the shard index, and so the
-rounding stream, is the rank's index along the last dimension, so replicas round alike.
+(``fsdp_kwargs={"mesh": ...}``, replicate x shard) gives HSDP; replicas round alike.
 Checkpoints load on any number of ranks, mesh and level (``reshard.py``).
 """
 import dataclasses
@@ -41,7 +40,7 @@ from ..core.casting import is_batchnorm
 from ..core.errors import NoEffectWarning
 from ..core.levels import HALF_DTYPES, REMAINDER
 from ..core.run import ROUNDING_KEY
-from ..install.shards import is_dtensor, local
+from ..install.shards import is_dtensor
 from . import reshard
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
@@ -130,11 +129,6 @@ class Plan:
             state.sharded = True
             state._param_ids = {id(p) for p in model.parameters()}
         return {before[i]: m._parameters[n] for i, (m, n) in where.items()}
-
-    def shard_index(self) -> int:
-        """This rank's shard: its index along the mesh's sharding (last) dimension."""
-        mesh = self.shard_kwargs.get("mesh")
-        return dist.get_rank() if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
 
 
 def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:
@@ -307,7 +301,7 @@ def save_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     _check_extra("save_sharded", extra)
     dcp, sd = _dcp()
     model_state, optim_state = sd.get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state, "amp": _amp_state(run, optimizer),
+    state = {"model": model_state, "optimizer": optim_state, "amp": run.state_dict(),
              "run": reshard.describe(run.properties, _shards(optimizer)[1])}
     if extra is not None:
         state["extra"] = extra
@@ -319,8 +313,8 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load what :func:`save_sharded` wrote under ``checkpoint_id`` into a model and optimizer
     prepared by ``initialize(..., fsdp=True)``: on any number of ranks and mesh shape, and at
     any level (the state is float32; see the README's resume rules). The same level on the
-    same number of shards resumes bit-exactly; rounding generators of shards the saving run
-    did not have follow :func:`reshard.rounding_of_shard`. ``extra``: a dict shaped like the
+    same number of shards resumes bit-exactly, and the O7/O8 rounding continues from the saved
+    seed and step on any shard layout. ``extra``: a dict shaped like the
     one saved (its tensors laid out as this run wants them), loaded in place."""
     caller = "ampkit.parallel.load_sharded"
     run = registry.of_optimizer(f"{caller}()", optimizer)
@@ -332,29 +326,30 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     model_state, optim_state = sd.get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     if saved is None:  # not a directory (a storage reader): the keys of this run
-        state["amp"] = _amp_state(run, optimizer)
+        state["amp"] = run.state_dict()
     if extra is not None:
         state["extra"] = extra
     _dcp_load(state, checkpoint_id, saved, run, optimizer)
-    amp = saved["amp"] if saved is not None else _own_rounding(state["amp"], 0)
+    amp = saved["amp"] if saved is not None else state["amp"]
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     run.load_state_dict(amp, caller)
-    if run.rounding is not None and ROUNDING_KEY not in amp:  # see reshard.rounding_of_shard
-        run.rounding.manual_seed(run.rounding.seed)  # get_state_dict's initializing step drew from them
+    if run.rounding is not None and ROUNDING_KEY not in amp:  # from a level without rounding (O5): a fresh start
+        run.rounding.manual_seed(run.rounding.seed)  # get_state_dict's initializing step may have advanced it
 
 
 def _saved_run_state(checkpoint_id, run, optimizer) -> Optional[dict]:
-    """The checkpoint's ``"run"`` record and its ``"amp"`` entry as this rank's
-    ``run.state_dict()`` (:func:`_own_rounding`), read with the keys that were saved and
-    checked against ``run``; None where ``checkpoint_id`` is not a checkpoint directory."""
+    """The checkpoint's ``"run"`` record and its ``"amp"`` entry, read with the keys that were
+    saved (an older O7/O8 checkpoint's per-shard generator rows too, which the rounder checks
+    and ignores) and checked against ``run``; None where ``checkpoint_id`` is not a checkpoint
+    directory."""
     metadata = reshard.saved_metadata(checkpoint_id)
     if metadata is None:
         return None
     state = {k: reshard.saved_template(metadata, k) for k in ("amp", "run")}
     state = {k: v for k, v in state.items() if v is not None}
     _dcp_load(state, checkpoint_id, None, run, optimizer)
-    state["amp"] = _own_rounding(state.get("amp", {}), _shards(optimizer)[0])
-    if run.rounding is None:  # a level without generators: nothing to continue (as ampkit.checkpoint.load)
+    state.setdefault("amp", {})
+    if run.rounding is None:  # a level without rounding: nothing to continue (as ampkit.checkpoint.load)
         state["amp"].pop(ROUNDING_KEY, None)
     run.check_state(state["amp"], "ampkit.parallel.load_sharded")
     return state
@@ -401,44 +396,6 @@ def _levels(saved, run, optimizer) -> str:
     if not isinstance(saved, dict) or not isinstance(saved.get("level"), str):
         return f"written by an earlier ampkit (level not recorded), {mine}"
     return f"written at {saved['level']} on {saved.get('shards')} shard(s), {mine}"
-
-
-def _amp_state(run, optimizer: torch.optim.Optimizer) -> dict:
-    """``run.state_dict()`` as DCP saves it: at O7 each rank's rounding generators become its
-    row of a DTensor sharded over the parameters' mesh (the ranks round shards of different
-    sizes, so their generators differ); made for every parameter device first, so that the
-    keys saved and the keys a fresh process loads agree."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    ref = next((p for p in params if is_dtensor(p)), None)
-    if run.rounding is None or ref is None:
-        return run.state_dict()
-    for p in params:
-        run.rounding.generator(p.device)
-    out = run.state_dict()
-    generators = out[ROUNDING_KEY]["generators"]
-    for key, value in generators.items():
-        generators[key] = _row(value, ref)
-    return out
-
-
-def _row(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``value`` as this rank's row of a DTensor laid over ``ref``'s mesh as ``ref`` is sharded."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    placements = [Shard(0) if pl.is_shard() else Replicate() for pl in ref.placements]
-    return DTensor.from_local(value.unsqueeze(0), ref.device_mesh, placements, run_check=False)
-
-
-def _own_rounding(amp: dict, index: int) -> dict:
-    """The loaded ``"amp"`` entry as ``run.state_dict()`` is, with shard ``index``'s generator
-    states (:func:`reshard.rounding_of_shard`)."""
-    rounding = amp.get(ROUNDING_KEY)
-    if isinstance(rounding, dict) and isinstance(rounding.get("generators"), dict):
-        generators = rounding["generators"]
-        if any(is_dtensor(v) for v in generators.values()):  # loaded as this run's rows: this rank's is its own
-            generators, index = {k: local(v) for k, v in generators.items()}, 0
-        amp = {**amp, ROUNDING_KEY: reshard.rounding_of_shard({**rounding, "generators": generators}, index)}
-    return amp
 
 
 def full_state_dict(model: nn.Module) -> dict:

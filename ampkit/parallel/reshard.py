@@ -3,18 +3,16 @@ parts are laid out again in a run of another size, level or mesh.
 
 Model and optimizer state are DTensors (float32 at every level: masters, widened weights,
 widened 8-bit state), which ``torch.distributed.checkpoint`` reshards by itself. What it
-cannot reshard is ampkit's own: the loss scalers (plain values, the same on every rank) and
-the O7/O8 rounding generators, one per shard. Here:
+cannot reshard is ampkit's own: the loss scalers and the O7/O8 rounding state, plain values
+the same on every rank (the rounding state is seed and step, the same on every shard, so any
+shard layout continues exactly). Here:
 
 * :func:`describe` names the run's level and its number of shards (saved as ``"run"``);
 * :func:`saved_template` rebuilds the checkpoint's ``"amp"`` entry from its metadata, so the
-  keys loaded are those saved (another level has other keys: O5 has no generators);
-* :func:`rounding_of_shard` is the one rule that gives each shard of the loading run its
-  generator state;
+  keys loaded are those saved (another level has other keys: O5 has no rounding state);
 * :func:`writing` and :func:`check_complete` mark a checkpoint as incomplete while it is written.
 """
 import contextlib
-import hashlib
 import os
 from typing import Optional
 
@@ -22,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from ..core.levels import REMAINDER
-from ..core.run import ROUNDING_KEY
 
 INCOMPLETE = ".ampkit-incomplete"  # present while save_sharded writes the directory
 
@@ -77,41 +74,6 @@ def saved_template(metadata, top: str) -> Optional[dict]:
         entry = metadata.state_dict_metadata[key]
         size = getattr(entry, "size", None)
         node[path[-1]] = None if size is None else torch.empty(size, dtype=entry.properties.dtype)
-    return out
-
-
-def rounding_of_shard(saved: dict, index: int) -> dict:
-    """The rule for the rounding generators of a loading run: the state shard ``index`` starts from.
-
-    ``saved`` is the checkpoint's rounding entry with each device's generators as rows, one per
-    shard of the saving run. Shard ``index`` continues row ``index`` where the saving run had
-    that shard (so a resume on the same number of shards is bit-exact); a shard it did not have
-    starts a generator seeded from a SHA-256 of the saved seed, ``index`` and every saved row.
-    The result depends on the checkpoint and ``index`` only: two loads of one checkpoint at one
-    size continue bit-identically, while a new shard's 63-bit seed differs (but by a chance of
-    about 2**-63) from the ``seed + index`` a fresh run starts from and from the seeds derived
-    from any other checkpoint. Rows of shards the loading run lacks are dropped. A
-    checkpoint without generators (written at a level that has none, e.g. O5) leaves the run's
-    generators where a fresh run's start: at its seed plus the shard index.
-    (Once the rounding bits come from a counter, not a generator, this becomes trivial.)
-    """
-    generators = {}
-    for device, rows in saved["generators"].items():
-        if rows.dim() == 1:  # a checkpoint of one unsharded run: a single state
-            rows = rows.unsqueeze(0)
-        if index < rows.shape[0]:
-            generators[device] = rows[index].clone()
-            continue
-        h = hashlib.sha256(f"ampkit.reshard|{saved['seed']}|{index}|{device}|".encode())
-        h.update(rows.contiguous().numpy().tobytes())
-        try:
-            gen = torch.Generator(device=device)
-        except RuntimeError:
-            continue  # no such device here: restarts from the seed at its first use (StochasticRounder's rule)
-        generators[device] = gen.manual_seed(int.from_bytes(h.digest()[:8], "little") >> 1).get_state()
-    out = {"seed": saved["seed"], "generators": generators}
-    if "step" in saved:  # O7's counter-based bits: the step count is the whole state, the same on every shard
-        out["step"] = saved["step"]
     return out
 
 

@@ -30,8 +30,6 @@ def apply(plan: Plan) -> Run:
     originals = {p: p.data for m in plan.request.models for p in m.parameters()} if keep else {}
     for m in plan.request.models:
         _prepare(m, plan, run, originals)
-    if plan.sharding is not None and run.rounding is not None:
-        run.rounding.stream = plan.sharding.shard_index()  # each shard rounds with bits of its own
     model_states = [m._ampkit for m in plan.request.models]
     run.scalers = [
         LossScaler(props.loss_scale, min_loss_scale=plan.min_scale, max_loss_scale=plan.max_scale,

@@ -116,52 +116,63 @@ def test_deterministic_under_a_seed():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_rounder_state_dict_resumes_the_step_and_the_generators():
+def _rounded(rounder, x):
+    out = torch.empty(x.numel(), dtype=torch.bfloat16)
+    rounder.round_([out], [x.clone()], [0], [0])  # srcs are scratch
+    rounder.advance()
+    return out
+
+
+def test_rounder_state_dict_is_seed_and_step_and_resumes_bit_exactly():
     x = torch.randn(1000)
-
-    def draw(rounder):
-        out = torch.empty(1000, dtype=torch.bfloat16)
-        rounder.round_([out], [x.clone()], [0], [0])  # srcs are scratch
-        rounder.advance()
-        return out, torch.randint(0, 2**16, (8,), generator=rounder.generator(torch.device("cpu")))
-
     r = StochasticRounder(seed=3)
-    draw(r)
+    _rounded(r, x)
     saved = r.state_dict()
-    first = draw(r)
-    other = StochasticRounder(seed=99)
-    other.load_state_dict(saved)
-    assert other.seed == 3 and other.step == 1 and saved["step"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(draw(other), first))
+    assert saved == {"seed": 3, "step": 1}
+    first = [_rounded(r, x) for _ in range(2)]
+    for _ in range(2):  # two loads continue alike
+        other = StochasticRounder(seed=99)
+        other.load_state_dict(saved)
+        assert other.seed == 3 and other.step == 1
+        assert all(torch.equal(a, b) for a, b in zip([_rounded(other, x) for _ in range(2)], first))
+    assert not torch.equal(first[0], first[1])  # the step moves the bits on
 
 
-def test_a_state_without_a_step_counter_continues_from_its_seed_at_step_0():
-    """Checkpoints written before the counter bits hold only the seed and the generators."""
-    old = StochasticRounder(seed=3)
-    old.generator(torch.device("cpu"))
-    state = old.state_dict()
-    del state["step"]
+@pytest.mark.parametrize("with_step", [True, False])
+def test_an_old_state_with_generators_continues_from_its_seed_and_step(with_step):
+    """States written when O7/O8 drew from per-device generators hold their states (and,
+    before the step counter, no ``step``): the generators are ignored, step 0 if absent."""
+    x = torch.randn(1000)
+    state = {"seed": 3, "generators": {"cpu": torch.Generator().manual_seed(3).get_state(),
+                                       "cuda:0": torch.zeros(16, dtype=torch.uint8)}}
+    if with_step:
+        state["step"] = 4
     r = StochasticRounder(seed=5)
     r.step = 7
     r.load_state_dict(state)
-    assert r.seed == 3 and r.step == 0 and torch.equal(r.state_dict()["generators"]["cpu"], state["generators"]["cpu"])
+    assert r.state_dict() == {"seed": 3, "step": 4 if with_step else 0}
+    same = StochasticRounder(seed=3)
+    same.step = 4 if with_step else 0
+    assert torch.equal(_rounded(r, x), _rounded(same, x))
 
 
 @pytest.mark.parametrize("state, match", [
-    ("x", "expected a dict with 'seed', 'generators'"),
-    ({"seed": 0, "generators": {}, "step": -1}, r"\['step'\]=-1"),
-    ({"seed": 0, "generators": {}, "step": 1.0}, r"\['step'\]=1.0"),
-    ({"seed": 0, "generators": {}, "other": 1}, "expected a dict with"),
-    ({"seed": -1, "generators": {}}, r"\['seed'\]=-1"),
+    ("x", "expected a dict with 'seed' and 'step'"),
+    ({"step": 0}, "expected a dict with 'seed' and 'step'"),
+    ({"seed": 0, "step": -1}, r"\['step'\]=-1"),
+    ({"seed": 0, "step": 1.0}, r"\['step'\]=1.0"),
+    ({"seed": 0, "step": 0, "other": 1}, "expected a dict with"),
+    ({"seed": -1, "step": 0}, r"\['seed'\]=-1"),
+    ({"seed": 0, "generators": [1]}, r"\['generators'\]: expected a dict of generator states, got list"),
     ({"seed": 0, "generators": {"nodevice": torch.Generator().get_state()}}, "'nodevice' is not a device"),
-    ({"seed": 0, "generators": {"cpu": torch.zeros(3)}}, "expected a generator state"),
+    ({"seed": 0, "generators": {"cpu": torch.zeros(3)}}, r"\['generators'\]\['cpu'\]: expected a generator state"),
 ])
 def test_bad_state_is_refused_before_anything_changes(state, match):
     r = StochasticRounder(seed=5)
-    before = r.state_dict()
+    r.advance()
     with pytest.raises(ValueError, match=match):
         r.load_state_dict(state)
-    assert r.seed == 5 and r.state_dict()["generators"].keys() == before["generators"].keys()
+    assert r.state_dict() == {"seed": 5, "step": 1}
 
 
 def test_dtypes_are_checked():

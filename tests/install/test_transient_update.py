@@ -231,7 +231,7 @@ def test_bad_rounding_state_is_refused_before_the_scalers_change():
     model, opt = o7()
     state = ampkit.state_dict(optimizer=opt)
     state["loss_scaler0"] = {"loss_scale": 8.0, "unskipped": 3}
-    state["stochastic_rounding"] = {"seed": "x", "generators": {}}
+    state["stochastic_rounding"] = {"seed": "x", "step": 0}
     with pytest.raises(ValueError, match=r"stochastic_rounding\['seed'\]='x'"):
         ampkit.load_state_dict(state, optimizer=opt)
     assert current_run("test").scalers[0].loss_scale() == 1.0
@@ -254,7 +254,7 @@ def test_checkpoint_files_carry_the_rounding_state(tmp_path):
     first, first_opt = o7()
     train(first, first_opt, data[:2])
     ampkit.checkpoint.save(tmp_path / "run.ckpt", first, first_opt)
-    train(first, first_opt, data[2:3])  # moves the generators on: the load must bring them back
+    train(first, first_opt, data[2:3])  # moves the step on: the load must bring them back
     ampkit.checkpoint.load(tmp_path / "run.ckpt", first, first_opt)
     train(first, first_opt, data[2:])
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), first.parameters()))

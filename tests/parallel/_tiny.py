@@ -59,8 +59,8 @@ def train(model, opt, steps, rank, world_size):
 
 def snapshot(model, opt):
     """The whole run as rank 0 sees it (empty dicts elsewhere): the model as full_state_dict
-    gathers it, the whole optimizer state (float32 at every level), the loss scalers; and each
-    rank's own rounding generator states."""
+    gathers it, the whole optimizer state (float32 at every level), the loss scalers; and the
+    rounder's seed and step (O7/O8; None at other levels)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     amp = ampkit.state_dict(optimizer=opt)
@@ -68,7 +68,7 @@ def snapshot(model, opt):
     optim = copy.deepcopy(optim)  # on CPU its tensors are the optimizer's own ("step" counts on)
     return {"model": {k: v.clone() for k, v in full_state_dict(model).items()}, "optimizer": optim,
             "scalers": {k: v for k, v in amp.items() if k.startswith("loss_scaler")},
-            "generators": amp.get("stochastic_rounding", {}).get("generators", {})}
+            "rounding": amp.get("stochastic_rounding")}
 
 
 def assert_state_equal(got, want, level, where):

@@ -119,12 +119,9 @@ def _local(t):
 
 
 def _local_state(opt):
-    """This rank's weights, remainders (master_weights="remainder"), rounding generators (O7)
-    and optimizer state."""
-    rounding = ampkit.state_dict(optimizer=opt).get("stochastic_rounding", {"generators": {}})
+    """This rank's weights, remainders (master_weights="remainder") and optimizer state."""
     params = [_local(p).detach().clone() for p in ampkit.master_params(opt)]
     params += [r.clone() for ms in opt._ampkit.model_states for r in ms.remainders.values()]
-    params += list(rounding["generators"].values())
     state = [{k: _local(v).clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
     return params, state
 
@@ -435,7 +432,7 @@ def _transient_worker(rank, world_size, checkpoint_dir):
         out[f"{level}/export"] = {k: v.clone() for k, v in full_state_dict(model).items()}  # the masters before training
         out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
         rounding = opt._ampkit.run.rounding
-        out[f"{level}/seed"] = None if rounding is None else rounding.generator(torch.device("cpu")).initial_seed()
+        out[f"{level}/rounding"] = None if rounding is None else rounding.state_dict()
         opt.zero_grad()
         out[f"{level}/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])
         out[f"{level}/bf16_numels"] = [_local(p).numel() for p in model.parameters() if p.dtype == torch.bfloat16]
@@ -467,8 +464,7 @@ def _scalers(amp):
 
 
 def _assert_transient_ranks_agree(ranks, key):
-    """Losses, scalers, whole weights and buffers equal on both ranks (the rounding generators
-    are each rank's own)."""
+    """Losses, scalers, whole weights and buffers equal on both ranks."""
     a, b = ranks[0][key], ranks[1][key]
     assert a["losses"] == b["losses"] and _scalers(a["amp"]) == _scalers(b["amp"]), key
     for x, y in zip(a["masters"] + a["buffers"], b["masters"] + b["buffers"]):
@@ -537,11 +533,11 @@ def test_transient_update_keeps_no_fp32_master_shards(transient_ranks, level):
 
 
 @pytest.mark.parametrize("level", TRANSIENT)
-def test_each_shard_rounds_with_bits_of_its_own(transient_ranks, level):
-    """The generators start from the seed (0) plus the rank's shard index: shards of equal size
-    would otherwise draw the same bits for the same offsets."""
-    seeds = [rank[f"{level}/seed"] for rank in transient_ranks]
-    assert seeds == ([None, None] if level == "remainder" else [0, 1])
+def test_every_shard_holds_the_same_rounding_state(transient_ranks, level):
+    """The rounding state is the seed (0) and the step count, the same on every rank: the bits
+    depend on each element's index in its full parameter, so shards differ without a stream of their own."""
+    states = [rank[f"{level}/rounding"] for rank in transient_ranks]
+    assert states == ([None, None] if level == "remainder" else [{"seed": 0, "step": STEPS}] * 2)
 
 
 @pytest.mark.parametrize("level", TRANSIENT)
@@ -557,7 +553,7 @@ def test_transient_update_inf_on_one_rank_skips_on_every_rank(transient_ranks, l
     _assert_transient_ranks_agree(transient_ranks, f"{level}/inf")
     for rank in transient_ranks:
         got = rank[f"{level}/inf"]
-        assert got["untouched"] is True  # weights, remainders, rounding generators, optimizer state
+        assert got["untouched"] is True  # weights, remainders, optimizer state
         assert got["amp"]["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": STEPS - 1 - POISON_STEP}
     _assert_close(transient_ranks[0][f"{level}/inf"], _reference(level, poison_at=POISON_STEP))
 
@@ -570,13 +566,14 @@ def test_transient_update_dcp_checkpoint_resumes_bit_exactly_in_new_processes(tr
         assert _scalers(got["amp"]) == _scalers(want["amp"]) and want["amp"]["loss_scaler0"]["unskipped"] == 2
         for x, y in zip(got["masters"] + got["buffers"], want["masters"] + want["buffers"]):
             assert torch.equal(x, y), f"rank {rank}"
-        # weights, remainders, this rank's rounding generators and optimizer state
+        # weights, remainders, this rank's optimizer state; the rounder's seed and step
+        assert got["amp"].get("stochastic_rounding") == want["amp"].get("stochastic_rounding"), f"rank {rank}"
         assert _same(got["local"], want["local"]), f"rank {rank}"
     if level == "remainder":
         assert all(r[f"{level}/uninterrupted"]["local"][0][-1].dtype == torch.int16 for r in transient_ranks)
-    else:  # O7 and O8 round with counter bits: no generator, the same step counter on every rank
+    else:  # O7 and O8 round with counter bits: the same seed and step counter on every rank
         a, b = (r[f"{level}/uninterrupted"]["amp"]["stochastic_rounding"] for r in transient_ranks)
-        assert a == b and a["generators"] == {} and a["step"] > 0
+        assert a == b and a.keys() == {"seed", "step"} and a["step"] > 0
 
 
 # The test writes genuine DCP metadata with dcp.save in this one process, without a process

@@ -88,26 +88,17 @@ def test_two_loads_at_one_size_continue_bit_identically(launches, saved, loaded,
         assert rank[f"{level}/losses0"] == rank[f"{level}/losses1"]
         a, b = rank[f"{level}/after0"], rank[f"{level}/after1"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        assert all(torch.equal(rank[f"{level}/loaded0"]["generators"][d], g)
-                   for d, g in rank[f"{level}/loaded1"]["generators"].items())
+        assert rank[f"{level}/loaded0"]["rounding"] == rank[f"{level}/loaded1"]["rounding"]
 
 
 @pytest.mark.parametrize("saved, loaded", MOVES, ids=[f"{a}to{b}" for a, b in MOVES])
 @pytest.mark.parametrize("level", ["O7", "O8"])
-def test_rounding_generators_follow_the_documented_rule(launches, saved, loaded, level):
-    """Shard r continues the saving run's shard r; a shard it did not have gets the state
-    ``rounding_of_shard`` derives (none equal to another's)."""
-    from ampkit.parallel.reshard import rounding_of_shard
-
-    rows = torch.stack([r[f"{level}/saved"]["generators"]["cpu"] for r in launches(saved)])
-    seed = 0
-    states = [r[f"{level}/loaded0"]["generators"]["cpu"] for r in launches(loaded, saved)]
-    for index, state in enumerate(states):
-        if index < saved:
-            assert torch.equal(state, rows[index]), index
-        expected = rounding_of_shard({"seed": seed, "generators": {"cpu": rows}}, index)["generators"]["cpu"]
-        assert torch.equal(state, expected), index
-    assert len({bytes(s.numpy()) for s in states}) == len(states)
+def test_rounding_continues_from_the_saved_seed_and_step_on_every_shard(launches, saved, loaded, level):
+    """The rounding state is seed and step, the same on every shard: every rank of any size
+    continues from the saved ones."""
+    want = [r[f"{level}/saved"]["rounding"] for r in launches(saved)]
+    assert want == [{"seed": 0, "step": SAVE_AT}] * saved
+    assert [r[f"{level}/loaded0"]["rounding"] for r in launches(loaded, saved)] == want[:1] * loaded
 
 
 # -- another level -------------------------------------------------------------------------
@@ -147,8 +138,8 @@ def test_checkpoint_loads_at_another_level(launches, across_levels, saved, loade
     """Masters (O2, O5, remainder) take the saved float32 model exactly; O7/O8's bf16 weights
     take it rounded to nearest (exact from O7/O8, whose weights are bf16 values); the float32
     optimizer state loads exactly (O8: within one code, exactly from O8 on as many shards);
-    loss scalers as saved; O7/O8 continue the saved generators, or start from the seed plus
-    the shard index after a level without them. Training goes on within bf16 tolerance of an
+    loss scalers as saved; O7/O8 continue the saved seed and step, or start at the run's
+    seed, step 0, after a level without rounding. Training goes on within bf16 tolerance of an
     uninterrupted run at the new level."""
     want = launches(2)[0][f"{saved}/saved"]
     got = across_levels[0][f"{saved}->{loaded}"]
@@ -157,11 +148,13 @@ def test_checkpoint_loads_at_another_level(launches, across_levels, saved, loade
     exact_state = loaded != "O8" or saved == "O8"
     assert_state_equal(got, want, "O7" if exact_state else "O8", f"{saved} -> {loaded}")
     for index, rank in enumerate(across_levels):
-        state = rank[f"{saved}->{loaded}"]["generators"]
-        if saved in ("O7", "O8") and loaded in ("O7", "O8"):
-            assert torch.equal(state["cpu"], launches(2)[index][f"{saved}/saved"]["generators"]["cpu"])
-        else:  # none, or restarted: made from the seed plus the shard index at their first use
-            assert state == {}
+        state = rank[f"{saved}->{loaded}"]["rounding"]
+        if loaded not in ("O7", "O8"):
+            assert state is None
+        elif saved in ("O7", "O8"):
+            assert state == launches(2)[index][f"{saved}/saved"]["rounding"] == {"seed": 0, "step": SAVE_AT}
+        else:  # from a level without rounding: a fresh start
+            assert state == {"seed": 0, "step": 0}
     torch.testing.assert_close(torch.tensor(across_levels[0][f"{saved}->{loaded}/losses"]),
                                torch.tensor(launches(2)[0][f"{loaded}/uninterrupted"][SAVE_AT:]), **BF16)
 

@@ -81,4 +81,4 @@ def test_partial_checkpoint_is_refused_and_the_earlier_one_loads(after_fault):
     assert got["scalers"] == want["scalers"]
     for rank, state in enumerate(loaded):
         saved = torch.load(f"{root}/saved{rank}.pt", weights_only=False)
-        assert torch.equal(state["good"]["generators"]["cpu"], saved["generators"]["cpu"])
+        assert state["good"]["rounding"] == saved["rounding"] == {"seed": 0, "step": 1}

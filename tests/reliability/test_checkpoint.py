@@ -261,3 +261,38 @@ def test_a_failed_save_keeps_the_previous_file(saved, monkeypatch):
     monkeypatch.undo()
     assert path.read_bytes() == old
     assert sorted(p.name for p in path.parent.iterdir()) == ["good.ckpt"]
+
+
+def _save_with_generators(monkeypatch, path, model, opt, generators):
+    """A checkpoint in the layout of versions whose O7/O8 rounder also saved generator states."""
+    from ampkit.core.rounding import StochasticRounder
+
+    real = StochasticRounder.state_dict
+    monkeypatch.setattr(StochasticRounder, "state_dict", lambda self: {**real(self), "generators": generators})
+    checkpoint.save(path, model, opt)
+    monkeypatch.undo()
+
+
+def test_an_old_o7_checkpoint_with_generator_states_loads_its_seed_and_step(tmp_path, monkeypatch):
+    model, opt = _trained("O7", steps=4, seed=0)
+    ampkit.stochastic_rounding.manual_seed(9, opt)
+    train(model, opt, *fixed_batch(), 2)
+    saved = opt._ampkit.run.rounding.state_dict()
+    assert saved == {"seed": 9, "step": 2}
+    _save_with_generators(monkeypatch, tmp_path / "old.ckpt", model, opt, {"cpu": torch.Generator().get_state()})
+    assert "generators" in torch.load(tmp_path / "old.ckpt", weights_only=True)["amp"]["stochastic_rounding"]
+    other, oopt = _trained("O7", steps=3, seed=5)
+    checkpoint.load(tmp_path / "old.ckpt", other, oopt)
+    assert oopt._ampkit.run.rounding.state_dict() == saved
+    assert_unchanged(_content(_full(model, opt)), _content(_full(other, oopt)), "loaded vs saved")
+
+
+def test_an_old_checkpoint_with_a_malformed_generator_state_is_refused_and_changes_nothing(tmp_path, monkeypatch):
+    model, opt = _trained("O7", steps=2, seed=0)
+    _save_with_generators(monkeypatch, tmp_path / "bad.ckpt", model, opt, {"cpu": torch.zeros(3)})
+    other, oopt = _trained("O7", steps=3, seed=5)
+    before, rounding = _full(other, oopt), oopt._ampkit.run.rounding.state_dict()
+    with pytest.raises(CheckpointError, match=r"stochastic_rounding\['generators'\]\['cpu'\]: expected a generator state"):
+        checkpoint.load(tmp_path / "bad.ckpt", other, oopt)
+    assert_unchanged(before, _full(other, oopt), "refused load")
+    assert oopt._ampkit.run.rounding.state_dict() == rounding
