@@ -8,8 +8,6 @@ model's parameters clip the fp32 masters the optimizer steps on; ``backward(loss
 ``ampkit.scale_loss`` unless it is already in one. :func:`attach` makes an existing
 ``Accelerator`` one (the transformers ``Trainer`` builds its own).
 """
-from typing import Dict
-
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
@@ -17,6 +15,7 @@ from ..api.state import step_was_skipped
 from ..api.training import scale_loss
 from ..install.optimizer_state import Stage
 from ..install.optimizer_wrappers import unwrap
+from .mixins import with_mixin
 from .stateful import AmpkitState
 
 __all__ = ["AmpkitAccelerator", "attach"]
@@ -45,7 +44,7 @@ class _Ampkit:
         registered = {id(s.optimizer._ampkit.run) for s in self._custom_objects if isinstance(s, AmpkitState)}
         for opt in self._optimizers:
             if isinstance(opt, AcceleratedOptimizer):
-                _swapped(opt, _SkipAware)
+                with_mixin(opt, _SkipAware)
             for inner in _initialized([opt]):
                 if id(inner._ampkit.run) not in registered:
                     registered.add(id(inner._ampkit.run))
@@ -81,20 +80,6 @@ class _SkipAware:
         return bool(self._is_overflow) or any(step_was_skipped(o) for o in inner)
 
 
-_CLASSES: Dict[type, type] = {}
-
-
-def _swapped(obj, mixin: type):
-    if not isinstance(obj, mixin):
-        base = type(obj)
-        cls = _CLASSES.get(base)
-        if cls is None:
-            cls = _CLASSES[base] = type(base.__name__, (mixin, base), {"__module__": base.__module__,
-                                                                       "__qualname__": base.__qualname__})
-        obj.__class__ = cls
-    return obj
-
-
 class AmpkitAccelerator(_Ampkit, Accelerator):
     """``accelerate.Accelerator`` for models and optimizers prepared by ``ampkit.initialize``."""
 
@@ -102,6 +87,6 @@ class AmpkitAccelerator(_Ampkit, Accelerator):
 def attach(accelerator: Accelerator) -> Accelerator:
     """Make ``accelerator`` behave as an :class:`AmpkitAccelerator` (its class is swapped for a subclass
     of the same name); optimizers it already prepared are marked and registered too. Returns it."""
-    _swapped(accelerator, _Ampkit)
+    with_mixin(accelerator, _Ampkit)
     accelerator._adopt_optimizers()
     return accelerator

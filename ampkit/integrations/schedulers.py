@@ -5,9 +5,8 @@ Frameworks step the scheduler after every optimizer step whether or not ampkit s
 schedule follows the updates actually made, as with ``if not ampkit.step_was_skipped(opt)``
 in a hand-written loop.
 """
-from typing import Dict
-
 from ..api.state import step_was_skipped
+from .mixins import with_mixin
 
 __all__ = ["hold_on_skipped_steps"]
 
@@ -22,21 +21,10 @@ class _Held:
         return super().step(*args, **kwargs)
 
 
-_CLASSES: Dict[type, type] = {}
-
-
 def hold_on_skipped_steps(scheduler):
     """Make ``scheduler.step()`` a no-op right after its optimizer's step was skipped; returns it.
 
     The scheduler's class is swapped for a cached subclass of the same name (its ``__dict__``,
     hence ``state_dict()``, is untouched); a scheduler already held is left as it is.
     """
-    if isinstance(scheduler, _Held):
-        return scheduler
-    base = type(scheduler)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (_Held, base), {"__module__": base.__module__,
-                                                                    "__qualname__": base.__qualname__})
-    scheduler.__class__ = cls
-    return scheduler
+    return with_mixin(scheduler, _Held)
