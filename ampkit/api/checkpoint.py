@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..core.files import fsync_dir
 from ..core.rounding import StochasticRounder
 from ..core.run import ROUNDING_KEY as ROUNDING
 from ..core.scaler import LossScaler
@@ -182,14 +183,7 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Option
         except OSError:
             pass
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    fsync_dir(folder)  # make the rename itself durable
 
 
 # --- load -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..core.files import fsync_dir
 from ..core.levels import REMAINDER
 
 INCOMPLETE = ".ampkit-incomplete"  # present while save_sharded writes the directory
@@ -99,7 +100,7 @@ def writing(checkpoint_id):
     dist.barrier()
     if first:
         os.unlink(marker)
-        _sync_dir(path)
+        fsync_dir(path)
 
 
 def check_complete(checkpoint_id) -> None:
@@ -111,14 +112,3 @@ def check_complete(checkpoint_id) -> None:
             f"save_sharded started writing it but did not finish (a rank failed or was killed mid-save), so "
             f"some shards are missing or stale. Nothing was loaded; load an earlier checkpoint."
         )
-
-
-def _sync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
