@@ -3,36 +3,8 @@
     python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling,compile,update]
                              [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N] [--size auto|full|small]
 
-1. overhead: ampkit O1/O4 vs a hand-written torch.autocast + torch.amp.GradScaler loop, and
-   O2/O5 vs a hand-written half model + fp32 master loop; per level one fresh process in
-   which the two variants alternate step by step, 3 repeats of 60 steps. The ratio is the median
-   of the per-step ratios (each ampkit step over the hand-written step next to it, so a load that
-   comes and goes hits both). Target: ratio <= 1.02.
-2. speedup: steps/s of O0, O4, O5 on the transformer (d_model 512) and the CNN, each
-   repeat of each level in a fresh process, levels interleaved. Target: O5 >= 2.5x O0 (LM).
-3. unscale: ampkit's unscale + overflow check over >= 50M gradient elements (fp32 grads,
-   and half grads into fp32 masters) vs a torch copy of the same bytes (and, for half grads,
-   vs the bare half -> fp32 conversion copy), and host syncs per
-   step counted at the dispatcher. Targets: >= 0.5 of copy bandwidth; exactly 1 sync.
-4. memory: peak RSS per level on the transformer with an activation-heavy batch, one fresh
-   process per level. Target: O3 and O5 <= 0.6x O0.
-5. scaling: step time and peak memory of O0 and O5 at x1, x4, x16 parameters.
-6. compile: per level, eager ampkit vs compiled ampkit (the README pattern: compiled model,
-   eager scale_loss, compiled optimizer step) vs the hand-written loop compiled the same way,
-   AdamW, one fresh process per level, the three alternating step by step; then eager vs
-   compiled at O0/O5 on the speed-up family's transformer (where O5 is among the levels). O6/O7 have no hand-written loop, and
-   at O7 only the model is compiled (the README's pattern there). Targets: compiled ampkit <= 1.02x
-   compiled hand-written; O5 compiled >= 1.3x O5 eager (transformer, native-bf16 CPU). On a
-   CPU each row also profiles 3 eager and 3 compiled steps, alternating (self CPU time in matmul
-   kernels and in all other ops): the matmuls' share s of the eager step bounds what compiling,
-   which leaves the matmuls to the same oneDNN kernels, can gain: at most 1/s. A tighter bound
-   adds the optimizer's memory floor: AdamW must read and write every weight (or master) and
-   its two fp32 state tensors, read every gradient, and at O2/O5 write the model's half copy
-   (28 bytes per parameter at O0 and O5), which takes at least those bytes over the bandwidth
-   of a large same-dtype copy measured in the same process.
-7. update: the AdamW update alone per level (O5, remainder, O7 and O7 bf16 state fused and
-   through the optimizer's own step, O8, torch's fused fp32 AdamW) against the time its
-   fewest bytes take at the measured copy bandwidth. Target: each level <= 1.5x its bound.
+The families, in order: overhead, speedup, unscale, memory, scaling, compile, update; each one's
+docstring (``benchmarks/families/<name>.py``) says what it measures, how, and its targets.
 
 Each family is a module of ``benchmarks/families/`` (its measurement, its report lines and its
 targets); the shared helpers are ``benchmarks/common.py`` and the timed training loops
