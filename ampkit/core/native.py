@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from .cpu import cpu_info
 from .logs import logger
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c99"]
@@ -89,17 +90,9 @@ def cache_dir() -> str:
     return os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
 def _build(compiler: str) -> str:
     """The cached library's path, compiled first if it is not there."""
-    tag = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), compiler, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), compiler, platform.machine(), " ".join(sorted(cpu_info()[1]))]).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), "kernels", f"ampkit_kernels_{tag}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -7,11 +7,11 @@ without running anything, and ``auto_level(device)`` turns that into the level
 """
 import dataclasses
 import os
-import platform
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..core.cpu import cpu_info as _cpu_info  # a module name of its own: tests replace it
 from ..core.levels import OPT_LEVELS
 
 SPEED = "speed and memory"
@@ -60,24 +60,6 @@ class Capabilities:
         """The line, then what each level buys here."""
         rows = [self.line()] + [f"  {lvl}: {gain}" for lvl, gain in self.levels.items()]
         return "\n".join(rows)
-
-
-def _cpu_info() -> Tuple[str, frozenset]:
-    """(CPU model name, flags) from ``/proc/cpuinfo``; the platform's name and no flags elsewhere."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            first = f.read().split("\n\n", 1)[0]
-    except OSError:
-        return name, frozenset()
-    for line in first.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "Model name", "cpu model") and value.strip():
-            name = value.strip()
-        elif key in ("flags", "Features"):
-            flags.update(value.split())
-    return name, frozenset(flags)
 
 
 def _cpu_capability() -> str:

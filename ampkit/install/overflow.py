@@ -39,7 +39,7 @@ class OverflowCheck:
         if self.done:
             return False
         self.done = True
-        overflow = bool(_all_ranks_max(self._flag()).item())
+        overflow = bool(all_ranks_max(self._flag()).item())
         names = nonfinite_names(self.run, self.states) if overflow else []  # looked for only on an overflow
         self.run.nonfinite = names
         pinned = self.scaler is not None and self.scaler.at_floor
@@ -112,7 +112,7 @@ def _finite(grad: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all())
 
 
-def _all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
+def all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
     """MAX-reduce ``flag`` over the default process group, so every rank skips together."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -36,7 +36,7 @@ from ..core.levels import HALF_DTYPES, STATE_8BIT
 from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
 from . import fused_update, state_8bit
-from .overflow import _all_ranks_max, parameter_names
+from .overflow import all_ranks_max, parameter_names
 from .shards import global_index, like, local, shard_of
 
 CHUNK_ELEMENTS = 2**22  # half parameters per chunk: 32 MiB of transient fp32 weights and gradients
@@ -206,7 +206,7 @@ class TransientUpdate:
         if not sums:
             return False
         bad = not torch.stack(sums).isfinite().all().item() and not all(bool(w.isfinite().all()) for w in stepped)
-        if not _all_ranks_max(torch.tensor(float(bad), device=sums[0].device)).item():
+        if not all_ranks_max(torch.tensor(float(bad), device=sums[0].device)).item():
             return False
         opt, name_of = self.optimizer, parameter_names(self.optimizer._ampkit.run)
         where = {id(g): k for k, g in enumerate(opt.param_groups)}
