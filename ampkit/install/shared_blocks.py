@@ -65,8 +65,19 @@ def share_block_maxima_(absmax: torch.Tensor, items: List[Tuple[torch.Tensor, in
         shared = torch.zeros(n, dtype=torch.float32, device=absmax.device)  # 0: no part here
         slots, where = (torch.tensor(i, dtype=torch.int64, device=absmax.device) for i in (slots, where))
         shared.index_copy_(0, slots, absmax.index_select(0, where))
-        torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX, group=group)
+        _all_reduce_max_(shared, group)
         absmax.index_copy_(0, where, shared.index_select(0, slots))
+
+
+def _all_reduce_max_(t: torch.Tensor, group) -> None:
+    """``all_reduce(MAX)`` of ``t`` over ``group``; through the GPU when ``t`` is on the host
+    (CPU offload) and the group is NCCL's alone."""
+    dist, on = torch.distributed, t
+    if t.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+        on = t.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
+    if on is not t:
+        t.copy_(on)
 
 
 def _plan(t: torch.Tensor):
