@@ -3,9 +3,10 @@
 A flat float32 tensor is cut into blocks of ``block_size`` elements, laid on the full tensor
 it is part of: its element 0 is element ``first`` of the full tensor (a shard's offset; 0 for
 a whole tensor), and full element ``g`` belongs to block ``g // block_size``, so a part's
-first and last blocks may be partial (and, under sharding, held in part by other ranks: their
-``absmax`` can be given, e.g. shared by ``install/shared_blocks.py``). Each block stores one float32 scale ``s``, a power of two,
-and one byte per element, in one of two codes chosen by the byte tensor's dtype:
+first and last blocks may be partial (and, under sharding, held in part by other ranks:
+their maxima over all parts can be given, as ``install/shared_blocks.py`` shares them).
+Each block stores one float32 scale ``s``, a power of two, and one byte per element, in one
+of two codes chosen by the byte tensor's dtype:
 
 * ``int8``, signed linear (Adam's ``exp_avg``): ``x = q * s``, ``q`` in ``[-127, 127]``;
   ``s`` is the least power of two with ``absmax <= 127 s``. Code ``-128`` is NaN (any
@@ -76,15 +77,16 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, draws: Opt
     """Write float32 ``x`` (flat; element 0 at ``first``) into the codes ``q`` (int8 or uint8,
     ``x``'s shape) and the float32 ``scales`` (``num_blocks(x.numel(), block_size, first)``),
     each block's from ``absmax`` (float32, one per block, at least :func:`block_absmax` of
-    ``x``: a split block's maximum over all its parts) or from ``x``'s own, rounding stochastically with
-    ``draws`` (int32, ``x``'s shape, uniform in ``[0, 2**24)``: :func:`counter_draws`), or to
+    ``x``: a split block's maximum over all its parts) or from ``x``'s own; rounding
+    stochastically with ``draws`` (int32, ``x``'s shape, uniform in ``[0, 2**24)``: :func:`counter_draws`), or to
     nearest (ties toward zero) when ``None``: a value on the grid comes back exactly either way. With int8 codes, ``limit``
     (float32, ``x``'s shape, overwritten; NaN: no limit) caps each stored magnitude: a code
     never exceeds ``limit / s``."""
     _check(q, scales, x, block_size, "quantize_", "x", first)
     if absmax is not None and (not torch.is_tensor(absmax) or absmax.dtype != torch.float32
                                or absmax.shape != scales.shape or absmax.device != x.device):
-        raise TypeError(f"quantize_: absmax must be a float32 tensor of scales' shape {tuple(scales.shape)} on x's device.")
+        raise TypeError(f"quantize_: absmax must be a float32 tensor of scales' shape {tuple(scales.shape)} "
+                        f"on x's device.")
     if draws is not None and (not torch.is_tensor(draws) or draws.dtype != torch.int32 or draws.shape != x.shape
                               or draws.device != x.device):
         raise TypeError(f"quantize_: draws must be an int32 tensor of x's shape {tuple(x.shape)} on x's device.")
@@ -235,7 +237,8 @@ def _check_block(block_size) -> int:
 
 def _check_first(first, fn: str) -> None:
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-        raise ValueError(f"{fn}: first={first!r}: expected a non-negative integer (the full tensor's index of element 0).")
+        raise ValueError(f"{fn}: first={first!r}: expected a non-negative integer "
+                         f"(the full tensor's index of element 0).")
 
 
 def _check(q, scales, x, block_size, fn: str, name: str, first: int = 0) -> None:

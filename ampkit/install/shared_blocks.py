@@ -16,6 +16,7 @@ dimension (the others replicated, as HSDP) whose local parts are single runs of 
 tensor. Any other tensor keeps blocks of its own local part (``first`` 0, no sharing).
 """
 import functools
+import math
 from typing import List, Tuple
 
 import torch
@@ -112,23 +113,16 @@ def _runs(shape: tuple, mesh_shape: tuple, placements: tuple):
         coordinate = [0] * len(mesh_shape)
         coordinate[dim] = r
         local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, placements)
-        numel = 1
-        for n in local:
-            numel *= n
-        first = block_index(tuple(local), shape, tuple(offset)) if numel else 0
+        first = block_index(tuple(local), shape, tuple(offset))  # an empty part: where it would start
         if not isinstance(first, int):
             return None
-        runs.append((first if numel else _end(runs), numel))
+        runs.append((first, math.prod(local)))
     return dim, tuple(runs)
-
-
-def _end(runs) -> int:
-    """Where an empty part sits: after the previous part (its blocks are none)."""
-    return runs[-1][0] + runs[-1][1] if runs else 0
 
 
 @functools.lru_cache(maxsize=None)
 def _split(runs: tuple, block: int) -> Tuple[int, ...]:
+    """The blocks that more than one of ``runs`` (``(first, numel)``) holds a part of."""
     holders = {}
     for first, numel in runs:
         if numel:
@@ -139,8 +133,7 @@ def _split(runs: tuple, block: int) -> Tuple[int, ...]:
 
 def _group(t: torch.Tensor):
     """The process group of ``t``'s sharded mesh dimension."""
-    placements = t.placements
     from torch.distributed.tensor import Replicate
 
-    dim = next(d for d, p in enumerate(placements) if not isinstance(p, Replicate))
+    dim = next(d for d, p in enumerate(t.placements) if not isinstance(p, Replicate))
     return t.device_mesh.get_group(dim)

@@ -195,7 +195,8 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
                 limit = _limit(group, x, values, firsts, caps, roots)
             q = torch.empty(x.numel(), dtype=code, device=x.device)
             scales = torch.empty(x.numel() // BLOCK, device=x.device)
-            draws = None if rounder is None else _draws(rounder, [where[(id(st), k)] for st, k, _ in group], values, firsts, x)
+            sites = [where.get((id(st), k)) for st, k, _ in group]
+            draws = None if rounder is None else _draws(rounder, sites, values, firsts, x)
             quantize_(q, scales, x, draws, BLOCK, limit, absmax=_shared_absmax(x, code, params, values, firsts))
             if code == torch.uint8 and caps:
                 bounding = {cap[0] for cap in caps.values()}
@@ -207,7 +208,7 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
             torch._foreach_copy_([s for _, s in made], list(scales.split([s.numel() for _, s in made])))
             for (st, k, v), (c, s) in zip(group, made):
                 del st[k]
-                st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales the shard's
+                st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales local
 
 
 def _draw_sites(states, ids: dict) -> Dict[tuple, tuple]:
