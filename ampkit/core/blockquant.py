@@ -1,8 +1,12 @@
 """Optimizer state in 8 bits between steps: per-block power-of-two scales, stochastic rounding.
 
-A flat float32 tensor is cut into blocks of ``block_size`` elements (the last one shorter
-when the size does not divide). Each block stores one float32 scale ``s``, a power of two,
-and one byte per element, in one of two codes chosen by the byte tensor's dtype:
+A flat float32 tensor is cut into blocks of ``block_size`` elements, laid on the full tensor
+it is part of: its element 0 is element ``first`` of the full tensor (a shard's offset; 0 for
+a whole tensor), and full element ``g`` belongs to block ``g // block_size``, so a part's
+first and last blocks may be partial (and, under sharding, held in part by other ranks:
+their maxima over all parts can be given, as ``install/shared_blocks.py`` shares them).
+Each block stores one float32 scale ``s``, a power of two, and one byte per element, in one
+of two codes chosen by the byte tensor's dtype:
 
 * ``int8``, signed linear (Adam's ``exp_avg``): ``x = q * s``, ``q`` in ``[-127, 127]``;
   ``s`` is the least power of two with ``absmax <= 127 s``. Code ``-128`` is NaN (any
@@ -37,7 +41,7 @@ import torch
 from . import counter_bits
 from .counter_bits import Index
 
-__all__ = ["quantize_", "dequantize", "num_blocks", "counter_draws"]
+__all__ = ["quantize_", "dequantize", "num_blocks", "block_absmax", "counter_draws"]
 
 _TOP = {torch.int8: 127.0, torch.uint8: 1.8125}  # the largest finite code's value, in units of s
 _SUB = 2.0 ** -14  # uint8: the least normal code's value (E = 1, M = 0), in units of s
@@ -46,20 +50,43 @@ NAN_INT8, NAN_UINT8, INF_UINT8 = -128, 254, 255  # the codes of non-finite value
 _DRAW_BLOCK = 1 << 15  # elements per block of counter_draws
 
 
-def num_blocks(numel: int, block_size: int = 256) -> int:
-    """How many scales a flat tensor of ``numel`` elements needs."""
-    return -(-numel // _check_block(block_size))
+def num_blocks(numel: int, block_size: int = 256, first: int = 0) -> int:
+    """How many scales a flat tensor of ``numel`` elements needs whose element 0 is element
+    ``first`` of the full tensor (the blocks it touches; none when it is empty)."""
+    block_size = _check_block(block_size)
+    return -(-(first % block_size + numel) // block_size) if numel else 0
+
+
+def block_absmax(x: torch.Tensor, dtype: torch.dtype, block_size: int = 256, first: int = 0) -> torch.Tensor:
+    """The largest magnitude of each block of flat float32 ``x`` (element 0 at ``first``) among
+    the values that get a regular code of ``dtype`` (int8 or uint8): what a block's scale
+    comes from. The maxima of a block split between several tensors (shards) combine by
+    ``max``, and :func:`quantize_` takes the combined ones as ``absmax``."""
+    _check_block(block_size)
+    _check_first(first, "block_absmax")
+    if dtype not in _TOP:
+        raise ValueError(f"block_absmax: dtype={dtype}: expected torch.int8 or torch.uint8.")
+    if not torch.is_tensor(x) or x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+        raise TypeError("block_absmax: x must be a flat contiguous tensor of dtype torch.float32.")
+    y, _ = _magnitudes(x, dtype == torch.int8)
+    return _per_block(y, block_size, torch.amax, first)
 
 
 def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, draws: Optional[torch.Tensor] = None,
-              block_size: int = 256, limit=None) -> None:
-    """Write float32 ``x`` (flat) into the codes ``q`` (int8 or uint8, ``x``'s shape) and the
-    float32 ``scales`` (``num_blocks(x.numel(), block_size)``), rounding stochastically with
-    ``draws`` (int32, ``x``'s shape, uniform in ``[0, 2**24)``: :func:`counter_draws`), or to
+              block_size: int = 256, limit=None, first: int = 0, absmax: Optional[torch.Tensor] = None) -> None:
+    """Write float32 ``x`` (flat; element 0 at ``first``) into the codes ``q`` (int8 or uint8,
+    ``x``'s shape) and the float32 ``scales`` (``num_blocks(x.numel(), block_size, first)``),
+    each block's from ``absmax`` (float32, one per block, at least :func:`block_absmax` of
+    ``x``: a split block's maximum over all its parts) or from ``x``'s own; rounding
+    stochastically with ``draws`` (int32, ``x``'s shape, uniform in ``[0, 2**24)``: :func:`counter_draws`), or to
     nearest (ties toward zero) when ``None``: a value on the grid comes back exactly either way. With int8 codes, ``limit``
     (float32, ``x``'s shape, overwritten; NaN: no limit) caps each stored magnitude: a code
     never exceeds ``limit / s``."""
-    _check(q, scales, x, block_size, "quantize_", "x")
+    _check(q, scales, x, block_size, "quantize_", "x", first)
+    if absmax is not None and (not torch.is_tensor(absmax) or absmax.dtype != torch.float32
+                               or absmax.shape != scales.shape or absmax.device != x.device):
+        raise TypeError(f"quantize_: absmax must be a float32 tensor of scales' shape {tuple(scales.shape)} "
+                        f"on x's device.")
     if draws is not None and (not torch.is_tensor(draws) or draws.dtype != torch.int32 or draws.shape != x.shape
                               or draws.device != x.device):
         raise TypeError(f"quantize_: draws must be an int32 tensor of x's shape {tuple(x.shape)} on x's device.")
@@ -68,21 +95,27 @@ def quantize_(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, draws: Opt
     if not x.numel():
         return
     signed = q.dtype == torch.int8
-    special = _special(x, signed)
-    y = x.abs()
-    for mask, _ in special:
-        y.masked_fill_(mask, 0.0)  # no part in the block's scale
-    scales.copy_(_scales(y, q.dtype, block_size))
-    _by_block_(y, scales, block_size, torch.Tensor.div_)
+    y, special = _magnitudes(x, signed)
+    scales.copy_(_scales(_per_block(y, block_size, torch.amax, first) if absmax is None else absmax, q.dtype))
+    _by_block_(y, scales, block_size, torch.Tensor.div_, first)
     low, frac = _split_linear(y) if signed else _split_e4m4(y)
     up = frac.gt_(0.5) if draws is None else draws.float().lt_(frac.mul_(1 << 24))  # exact: 24 bits fit a float
     low.add_(up)
     if limit is not None:
-        cap = _by_block_(limit, scales, block_size, torch.Tensor.div_).floor_()
+        cap = _by_block_(limit, scales, block_size, torch.Tensor.div_, first).floor_()
         low.clamp_max_(cap.nan_to_num_(nan=float("inf"), posinf=float("inf")))
     q.copy_(low.copysign_(x) if signed else low)
     for mask, code in special:
         q.masked_fill_(mask, code)
+
+
+def _magnitudes(x: torch.Tensor, signed: bool):
+    """``|x|`` with the values of :func:`_special` zeroed (no part in a block's scale), and those."""
+    special = _special(x, signed)
+    y = x.abs()
+    for mask, _ in special:
+        y.masked_fill_(mask, 0.0)
+    return y, special
 
 
 def _special(x: torch.Tensor, signed: bool) -> list:
@@ -99,13 +132,15 @@ def _special(x: torch.Tensor, signed: bool) -> list:
     return [(x.ge(0.0).logical_not_(), NAN_UINT8), (x.gt(top), INF_UINT8)]
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_size: int = 256) -> torch.Tensor:
-    """Write the float32 values that ``q`` and ``scales`` store into ``out`` (flat); return it."""
-    _check(q, scales, out, block_size, "dequantize", "out")
+def dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_size: int = 256,
+               first: int = 0) -> torch.Tensor:
+    """Write the float32 values that ``q`` and ``scales`` store into ``out`` (flat; element 0
+    at ``first``, as quantized); return it."""
+    _check(q, scales, out, block_size, "dequantize", "out", first)
     if not out.numel():
         return out
     torch.index_select(_values(q.dtype, q.device), 0, q.view(torch.uint8).int(), out=out)
-    return _by_block_(out, scales, block_size, torch.Tensor.mul_)
+    return _by_block_(out, scales, block_size, torch.Tensor.mul_, first)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,13 +171,13 @@ def counter_draws(out: torch.Tensor, seed: int, step: int, tensor: int, stream: 
     return out
 
 
-def _scales(absx: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    """Each block's least power of two ``s`` with ``absmax <= top * s`` (``absx``: finite and
+def _scales(absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each block's least power of two ``s`` with ``absmax <= top * s`` (``absmax``: finite and
     non-negative), from ``absmax = m 2**e`` (``m`` in ``[0.5, 1)``): ``2**(e - 7)`` for int8,
     ``2**(e - 1)`` for uint8, twice that when ``m`` exceeds ``top / 128`` or ``top / 2``; at
     most ``2**127``."""
     top, shift = _TOP[dtype], 7 if dtype == torch.int8 else 1
-    m, e = torch.frexp(_per_block(absx, block_size, torch.amax))
+    m, e = torch.frexp(absmax)
     e.sub_(shift).add_(m.gt(top / 2 ** shift).to(e.dtype)).clamp_(-149, 127)
     return torch.ldexp(torch.ones_like(m), e)
 
@@ -163,22 +198,34 @@ def _split_e4m4(y: torch.Tensor):
     return low, frac
 
 
-def _per_block(t: torch.Tensor, block_size: int, reduce) -> torch.Tensor:
-    """``reduce`` (``torch.amax``) of each block of flat ``t``."""
-    full = t.numel() // block_size * block_size
-    parts = [reduce(t[:full].view(-1, block_size), dim=1)]
-    if full < t.numel():
-        parts.append(reduce(t[full:], dim=0, keepdim=True))
+def _pieces(numel: int, block_size: int, first: int):
+    """Flat ``[0, numel)`` (element 0 at ``first``) as a partial head block, a run of full
+    blocks and a partial tail block: ``(head, full)``, their lengths (the tail: the rest)."""
+    head = min(numel, -first % block_size)
+    return head, (numel - head) // block_size * block_size
+
+
+def _per_block(t: torch.Tensor, block_size: int, reduce, first: int = 0) -> torch.Tensor:
+    """``reduce`` (``torch.amax``) of each block of flat ``t`` (element 0 at ``first``)."""
+    head, full = _pieces(t.numel(), block_size, first)
+    parts = [reduce(t[head:head + full].view(-1, block_size), dim=1)]
+    if head:
+        parts.insert(0, reduce(t[:head], dim=0, keepdim=True))
+    if head + full < t.numel():
+        parts.append(reduce(t[head + full:], dim=0, keepdim=True))
     return torch.cat(parts)
 
 
-def _by_block_(t: torch.Tensor, scales: torch.Tensor, block_size: int, op) -> torch.Tensor:
-    """Flat ``t`` divided or multiplied (``op``: ``Tensor.div_`` / ``mul_``) in place by each
-    block's scale, broadcast over the blocks (no expanded copy of the scales)."""
-    full = t.numel() // block_size * block_size
-    op(t[:full].view(-1, block_size), scales[:full // block_size, None])
-    if full < t.numel():
-        op(t[full:], scales[-1:])
+def _by_block_(t: torch.Tensor, scales: torch.Tensor, block_size: int, op, first: int = 0) -> torch.Tensor:
+    """Flat ``t`` (element 0 at ``first``) divided or multiplied (``op``: ``Tensor.div_`` /
+    ``mul_``) in place by each block's scale, broadcast over the blocks (no expanded copy)."""
+    head, full = _pieces(t.numel(), block_size, first)
+    lead = 1 if head else 0
+    if head:
+        op(t[:head], scales[:1])
+    op(t[head:head + full].view(-1, block_size), scales[lead:lead + full // block_size, None])
+    if head + full < t.numel():
+        op(t[head + full:], scales[-1:])
     return t
 
 
@@ -188,14 +235,23 @@ def _check_block(block_size) -> int:
     return block_size
 
 
-def _check(q, scales, x, block_size, fn: str, name: str) -> None:
+def _check_first(first, fn: str) -> None:
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"{fn}: first={first!r}: expected a non-negative integer "
+                         f"(the full tensor's index of element 0).")
+
+
+def _check(q, scales, x, block_size, fn: str, name: str, first: int = 0) -> None:
     _check_block(block_size)
+    _check_first(first, fn)
     for arg, t, ok in (("q", q, (torch.int8, torch.uint8)), ("scales", scales, (torch.float32,)), (name, x, (torch.float32,))):
         if not torch.is_tensor(t) or t.dtype not in ok or t.dim() != 1 or not t.is_contiguous():
             raise TypeError(f"{fn}: {arg} must be a flat contiguous tensor of dtype {' or '.join(map(str, ok))}.")
-    if q.numel() != x.numel() or scales.numel() != num_blocks(x.numel(), block_size):
+    need = num_blocks(x.numel(), block_size, first)
+    if q.numel() != x.numel() or scales.numel() != need:
+        at = f", first={first}" if first else ""
         raise ValueError(f"{fn}: q must have {name}'s {x.numel()} elements and scales "
-                         f"num_blocks({x.numel()}, {block_size}) = {num_blocks(x.numel(), block_size)}, "
+                         f"num_blocks({x.numel()}, {block_size}{at}) = {need}, "
                          f"got {q.numel()} and {scales.numel()}.")
     if len({q.device, scales.device, x.device}) > 1:
         raise ValueError(f"{fn}: q, scales and {name} must be on one device.")

@@ -12,10 +12,13 @@ element ``i`` of the parameter's full tensor draws from ``(seed, step, the param
 in the optimizer, 1 + j, i)``, ``j`` the key's place among the parameter's packed keys in
 sorted order (Adam: ``exp_avg`` 1, ``exp_avg_sq`` 2). So the draws do not depend on chunking,
 thread count, shard layout or world size, and nothing but the rounder's seed and step
-checkpoints; the codes do not either where FSDP2 cuts the shards at multiples of
-:data:`BLOCK` elements (the blocks, and so the scales, are the local shard's). A step widens and packs each device's entries of
-one code in one call, their tensors laid out back to back from block boundaries: the
-blocks, and so the scales, stay per tensor whatever the chunking.
+checkpoints. Nor do the codes and scales: the blocks are the full parameter's (element ``i``
+in block ``i // BLOCK``; a shard's first and last blocks may be partial), and a block split
+between FSDP2 shards takes its scale from its maximum over all of them
+(``shared_blocks.py``: one ``all_reduce(MAX)`` per pack of a device's entries of one code).
+A step widens and packs each device's entries of one code in one call, their tensors laid
+out back to back, each at its first element's place in its first block: the blocks, and so
+the scales, stay per tensor whatever the chunking.
 
 Rounded apart, a first moment could round up while its second moment rounds to zero, and
 the next update would be ``m / eps``. So the first moments of :data:`BOUNDED` optimizers
@@ -35,7 +38,8 @@ bytes read as numbers); ``optimizer.state_dict()`` holds every such entry widene
 float32 under its own key, the format of O7 and plain torch, so a checkpoint loads anywhere.
 Loading quantizes again to nearest, drawing no bits: a widened value is on the grid and comes
 back exactly (second moments whenever their square root lies between 2**-63 and 2**64, where
-squaring it is exact).
+squaring it is exact), on any number of shards: a part of a block has a scale no larger than
+the whole block's, and both are powers of two.
 """
 import functools
 import math
@@ -43,8 +47,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.blockquant import counter_draws, dequantize, num_blocks, quantize_
+from ..core.blockquant import block_absmax, counter_draws, dequantize, num_blocks, quantize_
 from .shards import global_index, like, local
+from .shared_blocks import block_first, share_block_maxima_, split_blocks
 
 BLOCK = 256
 CODES, SCALES = ".codes", ".scales"
@@ -154,10 +159,11 @@ def widen(entries: List[Held]) -> None:
     with torch.no_grad():
         for group in _groups(entries, lambda e: e[2]).values():
             codes, scales = [local(e[2]) for e in group], [e[3] for e in group]  # FSDP2: the shards
-            q, segments = _layout(codes, codes[0].dtype)
+            firsts = [block_first(e[2]) for e in group]
+            q, segments = _layout(codes, codes[0].dtype, firsts)
             torch._foreach_copy_(segments, codes)
             out = _widen(q, torch.cat(scales), torch.empty(q.numel(), device=q.device))
-            for (st, k, c, _), slot in zip(group, _segments(out, codes)):
+            for (st, k, c, _), slot in zip(group, _segments(out, codes, firsts)):
                 st[k] = like(slot, c)
                 del st[k + CODES], st[k + SCALES]
 
@@ -171,33 +177,38 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
     parameter's index among the optimizer's), or to nearest when ``rounder`` is None (loaded
     state, on the grid already)."""
     entries = [(st, k, v) for st, p in states for k, v in st.items() if packable(k, v, p)]
+    param_of = {id(st): p for st, p in states}
     where = _draw_sites(states, ids) if rounder is not None else {}
     caps, roots = _caps(states, optimizer), {}
     groups = _groups(entries, lambda e: e[2], lambda e: code_dtype(e[1]))
     with torch.no_grad():
         for (_, code), group in sorted(groups.items(), key=lambda item: item[0][1] != torch.uint8):
             values = [local(v.detach()) for _, _, v in group]
-            x, segments = _layout(values, torch.float32, fill=0.0)  # zeros: no block's scale changes
+            params = [param_of[id(st)] for st, _, _ in group]
+            firsts = [block_first(p) for p in params]
+            x, segments = _layout(values, torch.float32, firsts, fill=0.0)  # zeros: no block's scale changes
             torch._foreach_copy_(segments, values)
             limit = None
             if code == torch.uint8:
                 x.sqrt_()
             else:
-                limit = _limit(group, x, values, caps, roots)
+                limit = _limit(group, x, values, firsts, caps, roots)
             q = torch.empty(x.numel(), dtype=code, device=x.device)
             scales = torch.empty(x.numel() // BLOCK, device=x.device)
-            draws = None if rounder is None else _draws(rounder, [where[(id(st), k)] for st, k, _ in group], values, x)
-            quantize_(q, scales, x, draws, BLOCK, limit)
+            sites = [where.get((id(st), k)) for st, k, _ in group]
+            draws = None if rounder is None else _draws(rounder, sites, values, firsts, x)
+            quantize_(q, scales, x, draws, BLOCK, limit, absmax=_shared_absmax(x, code, params, values, firsts))
             if code == torch.uint8 and caps:
                 bounding = {cap[0] for cap in caps.values()}
-                stored = _segments(dequantize(q, scales, x, BLOCK), values)
+                stored = _segments(dequantize(q, scales, x, BLOCK), values, firsts)
                 roots.update({(id(st), k): r for (st, k, _), r in zip(group, stored) if (id(st), k) in bounding})
-            made = [(local(c), s) for c, s in (reuse.get((id(st), k)) or _empty(k, x) for (st, k, _), x in zip(group, values))]
-            torch._foreach_copy_([c for c, _ in made], _segments(q, values))
+            made = [(local(c), s) for c, s in (reuse.get((id(st), k)) or _empty(k, x, f)
+                                               for (st, k, _), x, f in zip(group, values, firsts))]
+            torch._foreach_copy_([c for c, _ in made], _segments(q, values, firsts))
             torch._foreach_copy_([s for _, s in made], list(scales.split([s.numel() for _, s in made])))
             for (st, k, v), (c, s) in zip(group, made):
                 del st[k]
-                st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales the shard's
+                st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales local
 
 
 def _draw_sites(states, ids: dict) -> Dict[tuple, tuple]:
@@ -213,11 +224,25 @@ def _draw_sites(states, ids: dict) -> Dict[tuple, tuple]:
     return out
 
 
-def _draws(rounder, sites: List[tuple], values: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _shared_absmax(x: torch.Tensor, code: torch.dtype, params, values, firsts) -> Optional[torch.Tensor]:
+    """The block maxima of the group's buffer ``x`` with each block split between shards at
+    its maximum over all of them (collective); None when no block is split (every rank
+    agrees: the layout is the same on all)."""
+    if not any(split_blocks(p, BLOCK) for p in params):
+        return None
+    absmax = block_absmax(x, code, BLOCK)
+    at = [0]
+    for v, f in zip(values, firsts):  # where each tensor's blocks start in the buffer's
+        at.append(at[-1] + num_blocks(v.numel(), BLOCK, f))
+    share_block_maxima_(absmax, list(zip(params, at)), BLOCK)
+    return absmax
+
+
+def _draws(rounder, sites: List[tuple], values: List[torch.Tensor], firsts, x: torch.Tensor) -> torch.Tensor:
     """The 24-bit draws of the group's flat buffer ``x`` (laid out as :func:`_layout` says):
     each tensor's segment from its own counter bits, the padding 0 (its values are 0, on the grid)."""
     draws = torch.zeros(x.numel(), dtype=torch.int32, device=x.device)
-    for segment, (tensor, stream, index) in zip(_segments(draws, values), sites):
+    for segment, (tensor, stream, index) in zip(_segments(draws, values, firsts), sites):
         counter_draws(segment.view(-1), rounder.seed, rounder.step, tensor, stream, index)
     return draws
 
@@ -239,7 +264,7 @@ def _caps(states, optimizer) -> Dict[tuple, tuple]:
     return out
 
 
-def _limit(group, x: torch.Tensor, values, caps: dict, roots: dict):
+def _limit(group, x: torch.Tensor, values, firsts, caps: dict, roots: dict):
     """The int8 group's cap on each stored magnitude (NaN: none): ``bound * sqrt(v)`` from the
     stored root of the bounding state (``bound * u`` for Adamax's ``exp_inf``). Where that
     is infinite, ``x`` (the first moments) is zeroed: exact Adam's update there is 0."""
@@ -248,7 +273,7 @@ def _limit(group, x: torch.Tensor, values, caps: dict, roots: dict):
     if not capped:
         return None
     limit = torch.full_like(x, math.nan)
-    segments = _segments(limit, values)
+    segments = _segments(limit, values, firsts)
     dsts = [segments[i] for i, _ in capped]
     torch._foreach_copy_(dsts, [roots[cap[0]] for _, cap in capped])
     squares = [d for d, (_, cap) in zip(dsts, capped) if cap[2]]
@@ -310,18 +335,22 @@ def _groups(entries, tensor_of, code_of=None) -> dict:
     return out
 
 
-def _layout(tensors, dtype, fill=None):
-    """One flat buffer holding ``tensors`` back to back, each from a block boundary (the
-    blocks stay per tensor), and each tensor's segment in it (in its shape)."""
-    total = sum(num_blocks(t.numel(), BLOCK) for t in tensors) * BLOCK
+def _layout(tensors, dtype, firsts, fill=None):
+    """One flat buffer holding ``tensors`` back to back, each in blocks of its own: tensor
+    ``i`` from its first element's place ``firsts[i] % BLOCK`` in its first block (its
+    blocks are its full tensor's); and each tensor's segment in it (in its shape)."""
+    total = sum(num_blocks(t.numel(), BLOCK, f) for t, f in zip(tensors, firsts)) * BLOCK
     device = tensors[0].device
     flat = torch.empty(total, dtype=dtype, device=device) if fill is None else torch.full((total,), fill, dtype=dtype, device=device)
-    return flat, _segments(flat, tensors)
+    return flat, _segments(flat, tensors, firsts)
 
 
-def _segments(flat, tensors) -> List[torch.Tensor]:
-    sizes = [n for t in tensors for n in (t.numel(), -t.numel() % BLOCK)]  # each tensor, then its padding
-    return [part.view(t.shape) for part, t in zip(flat.split(sizes)[::2], tensors)]
+def _segments(flat, tensors, firsts) -> List[torch.Tensor]:
+    sizes = []
+    for t, f in zip(tensors, firsts):  # each tensor's lead, the tensor, its padding
+        lead = f % BLOCK if t.numel() else 0
+        sizes += [lead, t.numel(), -(lead + t.numel()) % BLOCK]
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes)[1::3], tensors)]
 
 
 def widened_state_dict(optimizer, state_dict: dict) -> dict:
@@ -337,18 +366,18 @@ def widened_state_dict(optimizer, state_dict: dict) -> dict:
         for c in codes:
             k, q = c[:-len(CODES)], local(st[c])
             out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            wide[k] = like(_widen(q, st[k + SCALES], out), st[c])
+            wide[k] = like(_widen(q, st[k + SCALES], out, block_first(st[c])), st[c])
         state[i] = wide
     return {**state_dict, "state": state}
 
 
-def _widen(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``codes`` and their scales as float32 values in ``out``: squared where the codes are
-    uint8 (the square roots of :data:`SQRT_KEYS`)."""
-    dequantize(codes.view(-1), scales, out.view(-1), BLOCK)
+def _widen(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """``codes`` (element 0 at ``first``) and their scales as float32 values in ``out``:
+    squared where the codes are uint8 (the square roots of :data:`SQRT_KEYS`)."""
+    dequantize(codes.view(-1), scales, out.view(-1), BLOCK, first % BLOCK)
     return out.square_() if codes.dtype == torch.uint8 else out
 
 
-def _empty(key: str, like: torch.Tensor):
+def _empty(key: str, like: torch.Tensor, first: int):
     return (torch.empty(like.shape, dtype=code_dtype(key), device=like.device),
-            torch.empty(num_blocks(like.numel(), BLOCK), dtype=torch.float32, device=like.device))
+            torch.empty(num_blocks(like.numel(), BLOCK, first), dtype=torch.float32, device=like.device))

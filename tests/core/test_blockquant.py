@@ -1,11 +1,13 @@
 """8-bit block state: power-of-two scales, the two codes' grids, unbiased stochastic rounding,
-non-finite values in their own codes, and capped int8 codes."""
+non-finite values in their own codes, capped int8 codes, and blocks laid on a full tensor
+(a part starting at ``first``; re-quantizing a part of a stored block is exact)."""
 import math
 
 import pytest
 import torch
 
-from ampkit.core.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, counter_draws, dequantize, num_blocks, quantize_
+from ampkit.core.blockquant import (INF_UINT8, NAN_INT8, NAN_UINT8, block_absmax, counter_draws, dequantize, num_blocks,
+                                    quantize_)
 
 B = 256
 
@@ -229,3 +231,85 @@ def test_empty_and_bad_arguments():
         quantize_(q, s, x, block_size=4)
     with pytest.raises(ValueError, match="block_size=0: expected a positive integer"):
         num_blocks(10, 0)
+    with pytest.raises(ValueError, match="first=-1: expected a non-negative integer"):
+        quantize_(q, s, x, first=-1)
+    with pytest.raises(ValueError, match=r"scales num_blocks\(10, 4, first=3\) = 4, got 10 and 1"):
+        quantize_(q, s, x, block_size=4, first=3)
+    with pytest.raises(TypeError, match="absmax must be a float32 tensor of scales' shape"):
+        quantize_(q, s, x, absmax=torch.zeros(2))
+    with pytest.raises(ValueError, match="block_absmax: dtype=torch.int16: expected torch.int8 or torch.uint8"):
+        block_absmax(x, torch.int16)
+
+
+# -- blocks laid on a full tensor -------------------------------------------------------------
+
+def spread(n: int, seed: int) -> torch.Tensor:
+    """Signed values over 40 binades, some blocks with one value far above the rest (whose
+    others then sit in uint8's linear run), zeros, and non-finite values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.pow(2.0, torch.randint(-30, 10, (n,), generator=g).float())
+    x[torch.randint(0, n, (n // 50,), generator=g)] *= 2.0 ** 20
+    x[torch.randint(0, n, (n // 40,), generator=g)] = 0.0
+    x[[7, n // 2]] = torch.tensor([float("nan"), float("inf")])
+    return x
+
+
+def test_num_blocks_counts_the_full_tensors_blocks_a_part_touches():
+    assert [num_blocks(n, 4, first) for n, first in [(0, 3), (1, 3), (2, 3), (5, 3), (6, 3), (8, 0), (8, 8), (9, 1)]] == \
+        [0, 1, 2, 2, 3, 2, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_parts_with_the_full_blocks_maxima_store_what_the_full_tensor_stores(dtype):
+    """Cut a tensor anywhere: each part quantized at ``first`` = its offset, with its blocks'
+    maxima over the full tensor (``absmax``) and the full tensor's draws, stores the full
+    tensor's codes and scales bit for bit; without ``absmax`` it stores its own blocks'
+    maxima (a part's scale never above the full block's)."""
+    n, block = 1500, 256
+    x = spread(n, 3)
+    x = x.abs().nan_to_num(nan=-1.0) if dtype == torch.uint8 else x  # uint8: a negative value is its NaN
+    d = draws(n, seed=4)
+    q, s = torch.empty(n, dtype=dtype), torch.empty(num_blocks(n, block))
+    quantize_(q, s, x.clone(), d, block)
+    full_max = block_absmax(x, dtype, block)
+    for cuts in ([0, 900, n], [0, 600, 1200, n], [0, 1, 300, 400, 1499, n], [0, 512, n]):
+        for a, b in zip(cuts, cuts[1:]):
+            first, part = a, x[a:b].clone()
+            blocks = slice(a // block, (b - 1) // block + 1)
+            qp, sp = torch.empty(b - a, dtype=dtype), torch.empty(num_blocks(b - a, block, first))
+            quantize_(qp, sp, part.clone(), d[a:b].clone(), block, first=first, absmax=full_max[blocks].clone())
+            assert torch.equal(qp, q[a:b]) and torch.equal(sp, s[blocks]), (cuts, a)
+            y = dequantize(qp, sp, torch.empty(b - a), block, first)
+            assert torch.equal(y.nan_to_num(), dequantize(q, s, torch.empty(n), block)[a:b].nan_to_num())
+            own = block_absmax(part, dtype, block, first)
+            assert own.shape == sp.shape and bool((own <= full_max[blocks]).all())
+            quantize_(qp, sp, part.clone(), None, block, first=first)
+            assert bool((sp <= s[blocks]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stored_block_requantized_on_any_part_of_it_is_exact(dtype, seed):
+    """The claim resharding rests on: values stored at a block's scale ``s`` (stochastically),
+    quantized again to nearest on any run of the block (its own scale ``s' <= s``, a power
+    of two) come back bit for bit: int8 codes scale by ``s / s'``, e4m4 codes too, those of
+    the linear run near zero becoming normal codes. Every cut of a block into two parts, and
+    runs holding only the block's smallest values (scale far below the block's)."""
+    block = 256
+    x = spread(4 * block, seed)
+    x = x.abs() if dtype == torch.uint8 else x
+    x = x.nan_to_num(nan=0.0)
+    x[block:2 * block] *= torch.where(torch.arange(block) == 200, 2.0 ** 30, 2.0 ** -5)  # a run far below its maximum
+    q, s = torch.empty(x.numel(), dtype=dtype), torch.empty(num_blocks(x.numel(), block))
+    quantize_(q, s, x, draws(x.numel(), seed), block)
+    stored = dequantize(q, s, torch.empty(x.numel()), block)
+    linear = (q.int() < 16) & (q.int() > 0) if dtype == torch.uint8 else None
+    assert linear is None or int(linear.sum()) > 10  # the linear run is exercised
+    runs = [(a, b) for cut in range(1, 2 * block, 7) for a, b in ((0, cut), (cut, 2 * block), (block, block + cut % block or 1))]
+    runs += [(a, a + w) for a in range(block, 2 * block, 13) for w in (1, 5, 40) if a + w <= 2 * block]
+    for a, b in runs:
+        part = stored[a:b].clone()
+        qp, sp = torch.empty(b - a, dtype=dtype), torch.empty(num_blocks(b - a, block, a))
+        quantize_(qp, sp, part.clone(), None, block, first=a)
+        assert bool((sp <= s[a // block:(b - 1) // block + 1]).all())
+        assert torch.equal(dequantize(qp, sp, torch.empty(b - a), block, a), part), (a, b)

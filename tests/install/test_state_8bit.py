@@ -241,8 +241,8 @@ class _Counter:
 def test_shards_cut_at_block_boundaries_pack_as_the_whole_parameter(monkeypatch, cut):
     """A parameter's state packed whole equals its two pieces (FSDP2's shards, simulated:
     each piece's elements start at its offset in the full parameter) packed together, codes
-    and scales bit for bit, when the cut falls on a block boundary (the blocks, and so the
-    scales, are per shard); with the pieces' offsets taken as 0 the codes differ."""
+    and scales bit for bit, when the cut falls on a block boundary (no block is split; cuts
+    inside blocks: test_shared_blocks.py); with the pieces' offsets taken as 0 the codes differ."""
     g = torch.Generator().manual_seed(2)
     n = 1000
     m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6

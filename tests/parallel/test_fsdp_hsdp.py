@@ -100,7 +100,7 @@ def test_2d_checkpoint_resumes_bit_exactly_on_the_2d_mesh(hsdp, level):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_2d_checkpoint_loads_into_a_1d_mesh_of_2(hsdp, flat, level):
-    """The state as saved (O8's: within one code, other blocks), the rounder's seed and step
+    """The state as saved, bit for bit (O8's too), the rounder's seed and step
     as saved on every rank, training within tolerance."""
     _, ranks = hsdp
     assert_state_equal(flat[0][f"{level}/loaded"], ranks[0][f"{level}/saved"], level, "2x2 -> 2")

@@ -5,7 +5,9 @@ One launch per world size does, for every level in sequence: an uninterrupted ru
 steps, and (where it saves) a run saved after SAVE_AT steps, or (where it loads) two loads of
 the other size's checkpoint, each continued to STEPS. The global batch (12 samples) is cut
 into one equal part per rank at every size. One more launch on 2 ranks loads each level's
-2-rank checkpoint at every other level.
+2-rank checkpoint at every other level. Each launch also trains O8 on identical gradients
+(``test_fsdp_world_size.py``), which gives the single process's weights and state bit for
+bit at every size.
 """
 import pytest
 import torch
@@ -14,6 +16,7 @@ from ampkit.parallel import full_state_dict, load_sharded, save_sharded
 
 from ._launch import run
 from ._tiny import LEVELS, assert_state_equal, build, snapshot, train
+from .test_fsdp_world_size import _trained, assert_same_optimizer_state
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +34,7 @@ def worker(rank, world_size, root, load_from):
     """Per level: ``"<level>/uninterrupted"`` losses; with ``load_from=None`` a checkpoint saved
     after SAVE_AT steps (and its snapshot), else two loads of the ``load_from``-rank checkpoint
     (snapshots after loading and the losses that follow)."""
-    out = {}
+    out = {"O8/identical_gradients": _trained("O8", True)}
     for level in LEVELS:
         model, opt = build(level, seed=0)
         out[f"{level}/uninterrupted"] = train(model, opt, range(STEPS), rank, world_size)
@@ -70,8 +73,9 @@ def launches(tmp_path_factory):
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_loads_on_another_number_of_ranks(launches, saved, loaded, level):
     """Model (full_state_dict), optimizer state and loss scalers after the load equal what was
-    saved, bit for bit (O8's state: within one code, see above); training continues within the
-    level's tolerance of an uninterrupted run at the new size."""
+    saved, bit for bit (O8's too: its blocks are the full parameter's, a split block's scale
+    its maximum over all shards); training continues within the level's tolerance of an
+    uninterrupted run at the new size."""
     want = launches(saved)[0][f"{level}/saved"]
     ranks = launches(loaded, saved)
     got = ranks[0]
@@ -137,7 +141,7 @@ ROUNDED_WEIGHTS = ("O7", "O8")  # bf16 weights without masters: fp32 masters loa
 def test_checkpoint_loads_at_another_level(launches, across_levels, saved, loaded):
     """Masters (O2, O5, remainder) take the saved float32 model exactly; O7/O8's bf16 weights
     take it rounded to nearest (exact from O7/O8, whose weights are bf16 values); the float32
-    optimizer state loads exactly (O8: within one code, exactly from O8 on as many shards);
+    optimizer state loads exactly (into O8 from another level: within one code; from O8 exactly);
     loss scalers as saved; O7/O8 continue the saved seed and step, or start at the run's
     seed, step 0, after a level without rounding. Training goes on within bf16 tolerance of an
     uninterrupted run at the new level."""
@@ -145,8 +149,7 @@ def test_checkpoint_loads_at_another_level(launches, across_levels, saved, loade
     got = across_levels[0][f"{saved}->{loaded}"]
     if loaded in ROUNDED_WEIGHTS:
         want = {**want, "model": {k: v.bfloat16().float() for k, v in want["model"].items()}}
-    exact_state = loaded != "O8" or saved == "O8"
-    assert_state_equal(got, want, "O7" if exact_state else "O8", f"{saved} -> {loaded}")
+    assert_state_equal(got, want, loaded, f"{saved} -> {loaded}", rounded=loaded == "O8" and saved != "O8")
     for index, rank in enumerate(across_levels):
         state = rank[f"{saved}->{loaded}"]["rounding"]
         if loaded not in ("O7", "O8"):
@@ -165,3 +168,19 @@ def test_checkpoint_of_another_optimizer_is_refused_naming_both_levels(across_le
         assert "written at O5 on 2 shard(s), loaded at O7 on 2 shard(s)" in message, message
         assert "momentum_buffer" in message, message
         assert rank["unchanged"]
+
+
+# -- O8 on any number of ranks ---------------------------------------------------------------
+
+SIZES = {1: (1, 2), 2: (2, None), 3: (3, 2), 4: (4, None)}  # ranks: the launch that has them
+
+
+@pytest.mark.parametrize("ranks", SIZES)
+def test_o8_on_any_number_of_ranks_equals_one_process_bit_for_bit(launches, ranks):
+    """Given identical gradients, O8's weights, float32 state and stored codes and scales on
+    1 to 4 ranks (shards cut inside blocks; on 4 ranks one shard empty) are the single
+    process's."""
+    single, single_opt = _trained("O8", False)
+    got, got_opt = launches(*SIZES[ranks])[0]["O8/identical_gradients"]
+    assert got.keys() == single.keys() and all(torch.equal(got[k], single[k]) for k in single)
+    assert_same_optimizer_state(got_opt, single_opt, "O8")
