@@ -154,7 +154,8 @@ def u64(x: int) -> ctypes.c_uint64:
 # -- fp32 masters (core/fused_masters.py): O5's and remainder masters' AdamW / Adam in one pass --------
 SOURCE += r"""
 /* The arithmetic of core/fused_adamw.py on a float32 master P with a float32 gradient G;
-   c as there; l2 != 0 adds Adam's L2 term (a select, so the loop stays vectorized). */
+   c as there; l2 != 0 adds Adam's L2 term (a select, so the loop stays vectorized). The
+   pointers are restrict (the tensors never overlap): without it gcc leaves the loops scalar. */
 #define MASTER_STEP(P, G, M, V)                                                      \
     G = G * c[9];                                                                     \
     G = l2 ? G + P * c[1] : G;                                                        \
@@ -169,7 +170,8 @@ static inline uint16_t rne_bf16(uint32_t u) {  /* torch's float -> bfloat16 (c10
 }
 
 /* O5: master x, its float32 grad, state m, v; w (may be NULL): the bf16 model weight, x rounded to nearest even */
-void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w, int64_t n, const float *c) {
+void adamw_master(float *restrict x, const float *restrict grad, float *restrict ms, float *restrict vs,
+                  uint16_t *restrict w, int64_t n, const float *restrict c) {
     const int l2 = c[1] != 0.0f;
     if (w) {
         for (int64_t i = 0; i < n; i++) {
@@ -197,9 +199,9 @@ static int64_t first_at_least(const int64_t *t, int64_t n, int64_t key) {
    combined from (w, r, its ascending side table), stepped, and split back; the new table's entries
    of this range go to found (at most cap; the call stops before a block that might not fit there).
    Returns the elements done, n unless found filled up. */
-int64_t adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
-                        const int64_t *table, int64_t ntable, int64_t *found, int64_t cap, int64_t *nfound,
-                        const float *c) {
+int64_t adamw_remainder(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad, float *restrict ms,
+                        float *restrict vs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
+                        int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const float *restrict c) {
     const int l2 = c[1] != 0.0f;
     int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;
     union { float f[RBLOCK]; uint32_t u[RBLOCK]; } x;
