@@ -18,7 +18,7 @@ AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (
 ``exp_avg``, ``exp_avg_sq``, keyed by the parameter, or by the master at O5), so checkpoints
 move between the fused path and plain torch. Without a C compiler the eager references run,
 with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
-through the optimizer's own step, torch's numbers).
+through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step.
 """
 import os
 
@@ -34,7 +34,9 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def enabled() -> bool:
-    return os.environ.get("AMPKIT_FUSED", "1") != "0"
+    """``AMPKIT_FUSED`` is not ``0``, and no ``torch.compile`` is tracing the step (a compiled
+    step is torch's own: the kernels are opaque calls that it cannot trace)."""
+    return os.environ.get("AMPKIT_FUSED", "1") != "0" and not torch.compiler.is_compiling()
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
