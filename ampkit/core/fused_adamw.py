@@ -51,6 +51,13 @@ class Hyper:
                 self.lr / bc1, -1.0 if self.maximize else 1.0]
 
 
+def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """The float32 square root of float32 ``t`` rounded to nearest (IEEE's ``sqrtf``, as in the
+    C kernels): torch's own float32 ``sqrt`` on CPU is one ulp off in about one element of
+    six, and a float64 root rounded once to float32 is exact."""
+    return t.double().sqrt_().float()
+
+
 def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
     """The reference: torch ops, one rounding each (``w`` bf16; ``m``, ``v`` float32 or bf16)."""
     decay, l2, b1, omb1, b2, omb2, bc2s, eps, step_size, sign = hyper.consts()
@@ -61,7 +68,7 @@ def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, i
     p = p.mul(decay)
     m32 = m.float().mul(b1).add(g.mul(omb1))
     v32 = v.float().mul(b2).add(g.mul(g).mul(omb2))
-    denom = v32.sqrt().div(bc2s).add(eps)
+    denom = sqrt_rn(v32).div(bc2s).add(eps)
     p = p.sub(m32.div(denom).mul(step_size))
     round_counter_(w, p, seed, step, tensor, 0, index)
     for state, new, stream in ((m, m32, 1), (v, v32, 2)):

@@ -44,7 +44,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from .flat import flat, flat_view
 
-__all__ = ["split_", "combine", "master", "remainder", "side_table"]
+__all__ = ["split_", "combine", "master", "remainder", "side_table", "set_side_table"]
 
 _LOST = 32767  # of an even w: d = +32767 is stored as 32766 (and listed), and this code means d = +32768
 _TABLE = "_ampkit_side_table"  # the attribute of an int16 remainder that holds its side table
@@ -93,6 +93,15 @@ def side_table(r: torch.Tensor) -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64, device=r.device) if table is None else table
 
 
+def set_side_table(r: torch.Tensor, table: torch.Tensor) -> None:
+    """Give ``r`` the side table ``table`` (flat indices, int64, ascending, as :func:`split_`
+    finds them; kept as given), or none when ``table`` is empty."""
+    if table.numel():
+        setattr(r, _TABLE, table)
+    else:
+        vars(r).pop(_TABLE, None)
+
+
 def _moved(bits: torch.Tensor) -> torch.Tensor:
     """1 where float32 ``bits`` lie 32767 or 32768 above an even bfloat16 value (bit 16 clear,
     low 16 bits 0x7FFF or 0x8000: the two values whose codes move down one), else 0 (int32,
@@ -128,17 +137,14 @@ def _set_tables(rs: Sequence[torch.Tensor], listed: torch.Tensor) -> None:
     its side table; a remainder with none holds no table."""
     if not listed.numel():
         for r in rs:
-            vars(r).pop(_TABLE, None)
+            set_side_table(r, listed)
         return
     sizes = [r.numel() for r in rs]
     ends = torch.tensor(list(accumulate(sizes)), dtype=torch.int64, device=listed.device)
     owner = torch.searchsorted(ends, listed, right=True)
     local = listed - (ends - torch.tensor(sizes, dtype=torch.int64, device=listed.device))[owner]
     for r, part in zip(rs, local.split(torch.bincount(owner, minlength=len(rs)).tolist())):
-        if part.numel():
-            setattr(r, _TABLE, part.clone())  # its own storage: footprint counts what each keeps
-        else:
-            vars(r).pop(_TABLE, None)
+        set_side_table(r, part.clone())  # its own storage: footprint counts what each keeps
 
 
 def _tables(rs: Sequence[torch.Tensor]):

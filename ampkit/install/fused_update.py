@@ -1,15 +1,24 @@
-"""O7's fused AdamW: ``torch.optim.AdamW`` / ``Adam`` steps on bf16 weights in one pass each.
+"""Fused AdamW: ``torch.optim.AdamW`` / ``Adam`` steps in one pass per tensor.
 
-At ``update_rounding="stochastic"`` (O7, with float32 or bfloat16 optimizer state) the
-transient update hands the bf16 parameters of a plain ``torch.optim.AdamW`` or ``Adam``
-(no amsgrad, capturable, differentiable or fused; bf16 gradients) to
-``core/fused_adamw.py``: gradient, weight and state are read once and written once, with
-the stochastic rounding inside, in place of fp32 copies stepped by the optimizer and
-rounded back. The state stays torch's (``step``, ``exp_avg``, ``exp_avg_sq``, keyed by the
-parameter), so checkpoints move between the two paths and plain torch. It runs on CPU
-parameters (FSDP2's ``CPUOffloadPolicy`` included): the C kernel (``core/native.py``), or
-without a C compiler the eager reference, with the same numbers. ``AMPKIT_FUSED=0`` turns the fused path off (every parameter goes
-through the optimizer's own step).
+* O7 (``update_rounding="stochastic"``, float32 or bfloat16 optimizer state): the transient
+  update hands the bf16 parameters to ``core/fused_adamw.py``: gradient, weight and state
+  are read once and written once, with the stochastic rounding inside, in place of fp32
+  copies stepped by the optimizer and rounded back.
+* O5's fp32 masters of bf16 parameters (:func:`step_masters`): master, its fp32 gradient
+  and the state are read once; master, state and the bf16 model weight (rounded to nearest
+  even, as O5's copy to the model) written once (``core/fused_masters.py``).
+* Remainder masters (:func:`step_remainders`): the bf16 weight, its int16 remainder and side
+  table, the bf16 gradient and the state, read and written once; the masters equal O5's
+  fused ones bit for bit.
+
+Eligible: a plain ``torch.optim.AdamW`` or ``Adam`` (no amsgrad, capturable, differentiable
+or fused) on CPU tensors (FSDP2's ``CPUOffloadPolicy`` included) with dense gradients. The
+arithmetic is ampkit's fixed order (``core/fused_adamw.py``), which agrees with torch's
+AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (``step``,
+``exp_avg``, ``exp_avg_sq``, keyed by the parameter, or by the master at O5), so checkpoints
+move between the fused path and plain torch. Without a C compiler the eager references run,
+with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
+through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step.
 """
 import os
 
@@ -17,6 +26,7 @@ import torch
 
 from ..core import native
 from ..core.fused_adamw import Hyper, step_
+from ..core.fused_masters import step_master_, step_remainder_
 from .shards import global_index, like, local
 
 KINDS = (torch.optim.AdamW, torch.optim.Adam)
@@ -24,7 +34,9 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def enabled() -> bool:
-    return os.environ.get("AMPKIT_FUSED", "1") != "0"
+    """``AMPKIT_FUSED`` is not ``0``, and no ``torch.compile`` is tracing the step (a compiled
+    step is torch's own: the kernels are opaque calls that it cannot trace)."""
+    return os.environ.get("AMPKIT_FUSED", "1") != "0" and not torch.compiler.is_compiling()
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
@@ -32,17 +44,49 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     an exact AdamW / Adam whose group asks for nothing this kernel does not do, and state (if
     any) as this path keeps it. (On CUDA torch's own AdamW kernels stay: no fused kernel is
     written for CUDA yet, and the eager reference there is no faster than them.)"""
-    if (type(optimizer) not in KINDS or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
-            or local(p).device.type != "cpu"):
+    if (p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse or local(p).device.type != "cpu"
+            or not _plain(optimizer, group)):
         return False
-    if group.get("amsgrad") or group.get("capturable") or group.get("differentiable") or group.get("fused"):
+    return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
+
+
+def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in :func:`step_masters`: its
+    gradient dense fp32, both on the CPU, an exact AdamW / Adam, fp32 state (if any)."""
+    grad = master.grad
+    if (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32 or grad.dtype != torch.float32
+            or grad.is_sparse or master.shape != param.shape or local(master).device.type != "cpu"
+            or local(param).device.type != "cpu" or not _plain(optimizer, group)):
         return False
-    state = optimizer.state.get(p)
+    return _state_as_kept(optimizer.state.get(master), master, torch.float32)
+
+
+def _plain(optimizer, group: dict) -> bool:
+    return type(optimizer) in KINDS and not (group.get("amsgrad") or group.get("capturable")
+                                             or group.get("differentiable") or group.get("fused"))
+
+
+def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
     if not state:
         return True
-    dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
     return (tuple(state) == STATE_KEYS and all(state[k].dtype == dtype and state[k].shape == p.shape for k in STATE_KEYS[1:])
             and not (torch.is_tensor(state["step"]) and state["step"].device.type != "cpu"))
+
+
+def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
+    """``p``'s state (made as torch makes it on a first step, in ``dtype``) with its step count
+    advanced, and this step's :class:`Hyper`."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        for k in STATE_KEYS[1:]:
+            state[k] = like(torch.zeros_like(local(p), dtype=dtype, memory_format=torch.preserve_format), p)
+    state["step"] += 1
+    beta1, beta2 = group["betas"]
+    hyper = Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                  group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
+                  bool(group.get("maximize", False)), state["step"].item())
+    return state, hyper
 
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
@@ -50,16 +94,45 @@ def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> Non
     lib = native.library()
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
     for group, p in params:
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            for k in STATE_KEYS[1:]:
-                state[k] = like(torch.zeros_like(local(p), dtype=dtype, memory_format=torch.preserve_format), p)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        hyper = Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                      group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
-                      bool(group.get("maximize", False)), state["step"].item())
+        state, hyper = _begin(optimizer, group, p, dtype)
         with torch.no_grad():
             step_(local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
                   rounder.seed, rounder.step, ids[p], global_index(p), lib)
+
+
+def masters_to_step(optimizer, owner: dict) -> list:
+    """``(group, master, param)`` of each of ``optimizer``'s masters (``owner``: master -> bf16
+    model parameter) that :func:`step_masters` steps this time (none with ``AMPKIT_FUSED=0``)."""
+    if not enabled() or type(optimizer) not in KINDS:
+        return []
+    return [(g, m, owner[m]) for g in optimizer.param_groups for m in g["params"]
+            if m in owner and master_eligible(optimizer, g, m, owner[m])]
+
+
+def step_masters(optimizer, items) -> None:
+    """One AdamW / Adam step of each O5 master of ``items`` (from :func:`masters_to_step`),
+    writing its bf16 model parameter too."""
+    lib = native.library()
+    for group, m, p in items:
+        state, hyper = _begin(optimizer, group, m, torch.float32)
+        with torch.no_grad():
+            step_master_(local(m), local(m.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
+                         local(p), lib)
+
+
+def step_remainders(optimizer, params, grads: dict, remainders) -> None:
+    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all :func:`eligible` with
+    float32 state), whose master is ``p`` with ``remainders[i]``."""
+    lib = native.library()
+    for (group, p), r in zip(params, remainders):
+        state, hyper = _begin(optimizer, group, p, torch.float32)
+        with torch.no_grad():
+            step_remainder_(local(p), r, local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper, lib)
+
+
+def order_state(opt, ids: dict) -> None:
+    """``opt.state``'s entries in the order of ``ids`` (tensor -> index), others last: the
+    order torch's own step would have made them in."""
+    entries = sorted(opt.state.items(), key=lambda kv: ids.get(kv[0], len(ids)))
+    opt.state.clear()
+    opt.state.update(entries)

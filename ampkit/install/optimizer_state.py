@@ -19,6 +19,7 @@ import torch
 
 from ..core.levels import HALF_DTYPES
 from ..core.scaler import copy_unscale_and_check_, unscale_and_check_
+from . import fused_update
 from .overflow import OverflowCheck
 from .step_hooks import hooks_set_aside, run_post_hooks, run_pre_hooks, unhooked_step
 
@@ -404,10 +405,10 @@ class OptimizerState:
         if self.runs_hooks:
             run_pre_hooks(self.optimizer)
             with hooks_set_aside(self.optimizer):
-                result = self._step()
+                result, written = self._update()
         else:
-            result = self._step()
-        self.copy_masters_to_model()
+            result, written = self._update()
+        self.copy_masters_to_model(written)
         if self.runs_hooks:
             run_post_hooks(self.optimizer)
         if not self.keep_grads:
@@ -416,16 +417,40 @@ class OptimizerState:
         self.stage = Stage.READY
         return result
 
+    def _update(self):
+        """The optimizer's step, and the model parameters it wrote: masters of a plain AdamW /
+        Adam (``fused_update.py``) step in one fused pass each, which writes their model
+        parameters too; the optimizer's own step does the rest (it skips parameters without
+        gradients, so the fused masters' are set aside for it)."""
+        fused = fused_update.masters_to_step(self.optimizer, self.owner) if self.masters else []
+        if not fused:
+            return self._step(), ()
+        held = len(self.optimizer.state)
+        fused_update.step_masters(self.optimizer, fused)
+        grads = [(m, m.grad) for _, m, _ in fused]
+        for m, _ in grads:
+            m.grad = None
+        try:
+            result = self._step()
+        finally:
+            for m, g in grads:
+                m.grad = g
+        if len(self.optimizer.state) != held:  # new state: in the order torch's own step makes it
+            fused_update.order_state(self.optimizer, {m: i for i, m in enumerate(self.step_params())})
+        return result, {p for _, _, p in fused}
+
     def update_skipped(self) -> None:
         """The step left weights and state as they were (its update would have written
         non-finite weights, see ``transient_update.py``): ``step_was_skipped`` says so."""
         self.last_step_skipped = True
 
-    def copy_masters_to_model(self) -> None:
-        """One fused copy: with master weights the optimizer is on one device."""
-        if self.masters:
+    def copy_masters_to_model(self, written=()) -> None:
+        """One fused copy: with master weights the optimizer is on one device. Model
+        parameters in ``written`` (the fused update's) already hold their masters."""
+        pairs = [(p, m) for p, m in self.masters.items() if p not in written]
+        if pairs:
             with torch.no_grad():
-                torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
 
 def _takes(fn, name: str) -> bool:

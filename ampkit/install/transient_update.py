@@ -107,7 +107,9 @@ class TransientUpdate:
         result, before, after = None, _group_settings(opt) if several else {}, {}
         held, self.skipped_chunks = len(opt.state), 0
         try:
-            if fused:
+            if fused and self.model_states is not None:
+                fused_update.step_remainders(opt, fused, grads, self._remainders([p for _, p in fused]))
+            elif fused:
                 fused_update.step(opt, fused, grads, self.state_dtype, self.rounder, self.ids)
             for k, chunk in enumerate(parts):
                 if k:
@@ -121,16 +123,19 @@ class TransientUpdate:
         if several:
             _restore_group_settings(opt, {**before, **after})  # one step's worth of group counters
         if fused or len(opt.state) != held:  # the fused path never re-keys: keep one order, the parameters'
-            _order_state(opt, self.ids)
+            fused_update.order_state(opt, self.ids)
         if self.rounder is not None and (fused or not parts or self.skipped_chunks < len(parts)):
             self.rounder.advance()  # not after a step skipped whole (non-finite weights): it rounded nothing
         return result
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether ``p`` steps in O7's fused AdamW (``fused_update.py``) rather than the chunks."""
-        return (self.rounding == "stochastic" and self.model_states is None
-                and self.state_dtype in (None, torch.float32, torch.bfloat16) and fused_update.enabled()
-                and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
+        """Whether ``p`` steps in a fused AdamW (``fused_update.py``: O7's, or the remainder
+        masters' with float32 state) rather than the chunks."""
+        if self.model_states is not None:
+            return (self.state_dtype in (None, torch.float32) and fused_update.enabled()
+                    and fused_update.eligible(self.optimizer, group, p, grad, None))
+        return (self.rounding == "stochastic" and self.state_dtype in (None, torch.float32, torch.bfloat16)
+                and fused_update.enabled() and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
 
     def _step_chunk(self, chunk, grads):
         """One optimizer call on fp32 copies of the chunk's half parameters, gradients and
@@ -305,13 +310,6 @@ def _restore_group_settings(opt, settings: dict) -> None:
             del g[k]
     for (i, k), v in settings.items():
         opt.param_groups[i][k] = v
-
-
-def _order_state(opt, ids: dict) -> None:
-    """``opt.state``'s entries in the order of ``ids`` (parameter -> index), others last."""
-    entries = sorted(opt.state.items(), key=lambda kv: ids.get(kv[0], len(ids)))
-    opt.state.clear()
-    opt.state.update(entries)
 
 
 def _load_state_dict(optimizer, state_dict: dict) -> None:

@@ -226,3 +226,135 @@ def test_ineligible_optimizers_and_settings_take_the_optimizer_step():
     assert not fused_update.eligible(opt, opt.param_groups[0], p, g.float(), None)  # a float32 gradient
     opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
     assert not fused_update.eligible(opt, opt.param_groups[0], p, g, torch.bfloat16)  # state not as this path keeps it
+
+
+# -- O5's fp32 masters and remainder masters (core/fused_masters.py) -------------------------------
+
+def o5(master_weights, adam="adamw"):
+    model = make_model()
+    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+           "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True)}[adam](model.parameters())
+    return ampkit.initialize(model, opt, opt_level="O5", master_weights=master_weights, verbosity=0)
+
+
+def masters_of(model, opt):
+    from ampkit.core.remainder import master
+    if model._ampkit.remainders:
+        return [master(p.detach(), model._ampkit.remainders[p]) for p in model.parameters()]
+    return [m.detach().clone() for m in ampkit.master_params(opt)]
+
+
+def full_snapshot(model, opt):
+    return snapshot(model, opt), masters_of(model, opt)
+
+
+def same_full(a, b) -> bool:
+    return same(a[0], b[0]) and all(torch.equal(bits(x), bits(y)) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+def test_o5_and_remainder_masters_with_the_kernel_equal_the_eager_path_and_each_other(lib, monkeypatch, tmp_path, adam):
+    """O5 and remainder masters (odd sizes, an empty layer, a non-contiguous parameter): four
+    steps with a skipped one, saved, two more, and the same two after a load into a fresh run.
+    Kernel and eager path agree bit for bit at each point (weights, state, masters), the resumed
+    run equals the uninterrupted one, the remainder masters equal O5's, and the fused path ran."""
+    data = batches(6)
+    runs, calls = {}, []
+    for name in ("step_masters", "step_remainders"):
+        real = getattr(fused_update, name)
+        monkeypatch.setattr(fused_update, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    for kind in ("kernel", "eager"):
+        for mw in (True, "remainder"):
+            monkeypatch.setattr(native, "_state", {} if kind == "kernel" else {"lib": None})
+            model, opt = o5(mw, adam)
+            train(model, opt, data[:4], poison=(1,))
+            assert current_run("t").scalers[0].skipped_steps == 1
+            ckpt = tmp_path / f"{kind}-{mw}.pt"
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)},
+                       ckpt)
+            middle = full_snapshot(model, opt)
+            train(model, opt, data[4:])
+            resumed, resumed_opt = o5(mw, adam)
+            saved = torch.load(ckpt)
+            resumed.load_state_dict(saved["model"])
+            resumed_opt.load_state_dict(saved["optimizer"])
+            ampkit.load_state_dict(saved["amp"], optimizer=resumed_opt)
+            train(resumed, resumed_opt, data[4:])
+            runs[kind, mw] = middle, full_snapshot(model, opt), full_snapshot(resumed, resumed_opt)
+            assert same_full(runs[kind, mw][1], runs[kind, mw][2])
+            state = next(iter(opt.state.values()))
+            assert state["exp_avg"].dtype == torch.float32 and state["step"].item() == 5.0
+    assert calls.count("step_masters") == calls.count("step_remainders") == 2 * (3 + 2 + 2)  # every unskipped step
+    for key in runs:
+        assert all(same_full(a, b) for a, b in zip(runs[key], runs["kernel", True])), key
+    assert not same_full(runs["kernel", True][0], runs["kernel", True][1])
+
+
+@pytest.mark.parametrize("grads", ["fresh", "reused"])
+@pytest.mark.parametrize("variant", ["default", "foreach"])
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+def test_o5_fused_is_the_hand_written_master_loop_with_its_arithmetic(lib, monkeypatch, adam, variant, grads):
+    """O5 with the fused update is bit for bit the hand-written master-weight loop of
+    tests/install/test_master_weights.py whose bf16 masters step in ``step_master_eager`` (the
+    fp32 BatchNorm parameters in the optimizer's own step): model, masters and state."""
+    from ampkit.core.fused_masters import step_master_eager
+    from ampkit.install import optimizer_state
+    from tests.install.test_master_weights import HALF, Net as BNNet, Reference, amp_step, batch, init
+    monkeypatch.setattr(optimizer_state, "REUSED_GRADS_BYTES", 0 if grads == "reused" else 2**62)
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[adam]
+    kw = {"lr": 1e-2, "weight_decay": 0.1, **({"foreach": True} if variant == "foreach" else {})}
+    base = BNNet()
+    ref = Reference(base, HALF["O5"], cls, kw, 1.0)
+    torch_step, half = ref.opt.step, [m for p, m in ref.pairs if m is not p]
+
+    def fused_reference_step():
+        held = [(m, m.grad) for m in half]
+        for m in half:
+            state = ref.opt.state[m]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+            state["step"] += 1
+            g = ref.opt.param_groups[0]
+            hyper = Hyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], cls is torch.optim.AdamW, False,
+                          state["step"].item())
+            with torch.no_grad():
+                step_master_eager(m, m.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
+            m.grad = None
+        torch_step()
+        for m, g in held:
+            m.grad = g
+
+    ref.opt.step = fused_reference_step
+    model = copy.deepcopy(base)
+    model, opt = init(model, cls(model.parameters(), **kw), "O5")
+    masters = list(ampkit.master_params(opt))
+    for step in range(4):
+        x, y = batch(step)
+        assert torch.equal(amp_step(model, opt, x, y), ref.step(x, y))
+    for (n, p), (q, m), master in zip(model.named_parameters(), ref.pairs, masters):
+        assert torch.equal(bits(p), bits(q)) and torch.equal(bits(master), bits(m)), n
+        assert opt.state[master].keys() == ref.opt.state[m].keys()
+        assert all(torch.equal(bits(opt.state[master][k]), bits(ref.opt.state[m][k])) for k in opt.state[master]), n
+    assert list(opt.state) == masters  # the state in the parameters' order, as torch's own step makes it
+
+
+def test_masters_of_ineligible_optimizers_and_settings_take_the_optimizer_step(monkeypatch):
+    from ampkit.install.fused_update import master_eligible, masters_to_step
+    p = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    m = torch.zeros(3, requires_grad=True)
+    m.grad = torch.zeros(3)
+    for opt in (torch.optim.AdamW([m], amsgrad=True), torch.optim.AdamW([m], fused=True), torch.optim.SGD([m], lr=0.1),
+                torch.optim.NAdam([m])):
+        assert not master_eligible(opt, opt.param_groups[0], m, p) and masters_to_step(opt, {m: p}) == []
+    opt = torch.optim.AdamW([m])
+    assert master_eligible(opt, opt.param_groups[0], m, p) and masters_to_step(opt, {m: p}) == [(opt.param_groups[0], m, p)]
+    assert not master_eligible(opt, opt.param_groups[0], m, p.half())  # O2's float16 model: torch's step
+    monkeypatch.setenv("AMPKIT_FUSED", "0")
+    assert masters_to_step(opt, {m: p}) == []
+    monkeypatch.delenv("AMPKIT_FUSED")
+    m.grad = torch.zeros(3).to_sparse()
+    assert not master_eligible(opt, opt.param_groups[0], m, p)
+    m.grad = torch.zeros(3)
+    opt.state[m] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, dtype=torch.float64), "exp_avg_sq": torch.zeros(3)}
+    assert not master_eligible(opt, opt.param_groups[0], m, p)  # state not as this path keeps it

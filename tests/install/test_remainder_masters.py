@@ -2,7 +2,7 @@
 (and a side table for the few values 16 bits cannot hold).
 
 Training is bit-identical to O5 (model weights and losses at every step, masters at the end) with
-AdamW, SGD with momentum and Adagrad, across a skipped step and a resume: on a small model on data
+AdamW (fused, and with ``AMPKIT_FUSED=0``), SGD with momentum and Adagrad, across a skipped step and a resume: on a small model on data
 that meets rounding ties, and on a model of a million parameters, where the side tables are in use
 at every step.
 """
@@ -61,8 +61,11 @@ def masters_of(model, opt):
     return [m.detach().clone() for m in ampkit.master_params(opt)]
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_bit_identical_to_o5_for_200_steps_with_a_skipped_step(opt_name):
+@pytest.mark.parametrize("opt_name,fused", [(name, "1") for name in OPTIMIZERS] + [("adamw", "0")])
+def test_bit_identical_to_o5_for_200_steps_with_a_skipped_step(opt_name, fused, monkeypatch):
+    """With AdamW both step in the fused update (``fused_update.py``), or with ``AMPKIT_FUSED=0``
+    both in torch's."""
+    monkeypatch.setenv("AMPKIT_FUSED", fused)
     ref, rem = build(True, opt_name), build("remainder", opt_name)
     a = train(*ref, batches(200), poison_at={57})
     b = train(*rem, batches(200), poison_at={57})
@@ -151,13 +154,16 @@ def resume(ckpt, opt_name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opt_name", list(LARGE_OPTIMIZERS))
-def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_step_and_a_resume(opt_name):
+@pytest.mark.parametrize("opt_name,fused", [(name, "1") for name in LARGE_OPTIMIZERS] + [("adamw", "0")])
+def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_step_and_a_resume(opt_name, fused,
+                                                                                                 monkeypatch):
     """About 8 masters of a million sit where 16 bits cannot hold them at any step (with the 16
     bits alone, before side tables, the weights left O5's within these 200 steps with each of
     the three optimizers): here the bf16 weights and losses equal
     O5's at each of 200 steps, across a skipped step (57) and a resume from a checkpoint (120)
-    into a fresh run, and the masters equal O5's bit for bit at the resume and at the end."""
+    into a fresh run, and the masters equal O5's bit for bit at the resume and at the end. (AdamW:
+    both in the fused update, and both in torch's step with ``AMPKIT_FUSED=0``.)"""
+    monkeypatch.setenv("AMPKIT_FUSED", fused)
     ref, rem = build_large(True, opt_name), build_large("remainder", opt_name)
     assert sum(p.numel() for p in rem[0].parameters()) > 10**6
     g = torch.Generator().manual_seed(1)

@@ -1,8 +1,9 @@
 """master_weights="remainder" on FSDP2 (2 gloo ranks): each rank's masters, held as bf16 shards
 plus int16 remainder shards and their side tables, follow O5's arithmetic bit for bit.
 
-On each rank a shadow keeps fp32 master shards (O5's masters) and steps a plain AdamW on the
-same local gradient shards. At every step the sharded run's bf16 weights are the shadow's
+On each rank a shadow keeps fp32 master shards (O5's masters) and steps them on the same local
+gradient shards as O5 would: in the fused AdamW of ``core/fused_masters.py``, and (the same
+launch, a second run) with ``AMPKIT_FUSED=0`` in a plain ``torch.optim.AdamW``. At every step the sharded run's bf16 weights are the shadow's
 rounding and its masters the shadow's exactly, across a skipped step (an inf on one rank) and a
 DCP checkpoint loaded into a fresh model in the same processes. The model is large enough
 (264k parameters) that the side tables are in use at about every step.
@@ -41,10 +42,36 @@ def _exact(model, shadow) -> bool:
                torch.equal(m.view(torch.int32), s.view(torch.int32)) for w, m, s in zip(weights, masters, shadow))
 
 
+class FusedShadow:
+    """O5's fused AdamW on the shadow masters (``core/fused_masters.py``, AdamW's defaults, lr 1e-3)."""
+
+    def __init__(self, params):
+        self.params, self.steps = params, 0
+        self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+
+    def step(self):
+        from ampkit.core import native
+        from ampkit.core.fused_adamw import Hyper
+        from ampkit.core.fused_masters import step_master_
+        self.steps += 1
+        for p, (m, v) in zip(self.params, self.state):
+            step_master_(p, p.grad, m, v, Hyper(1e-3, 0.9, 0.999, 1e-8, 1e-2, True, False, float(self.steps)),
+                         lib=native.library())
+
+
 def _worker(rank, world_size, checkpoint_dir):
+    import os
+    out = {}
+    for fused in ("1", "0"):
+        os.environ["AMPKIT_FUSED"] = fused
+        out[fused] = _run(rank, os.path.join(checkpoint_dir, fused), fused == "1")
+    return out
+
+
+def _run(rank, checkpoint_dir, fused):
     model, opt = _build(seed=rank)  # every rank starts from rank 0's fp32 weights
     shadow = [m.clone() for m in _masters(model)[1]]
-    shadow_opt = torch.optim.AdamW(shadow, lr=1e-3)
+    shadow_opt = FusedShadow(shadow) if fused else torch.optim.AdamW(shadow, lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     out = {"exact": [_exact(model, shadow)], "skipped": [], "listed": []}
     for step in range(STEPS):
@@ -75,7 +102,8 @@ def _worker(rank, world_size, checkpoint_dir):
 
 
 def test_remainder_shards_follow_o5_bit_for_bit_with_a_skipped_step_and_a_checkpoint(tmp_path):
-    ranks = run(_worker, 2, str(tmp_path / "dcp"), timeout=900, pg_timeout=600)
+    ranks = [r[fused] for r in run(_worker, 2, str(tmp_path / "dcp"), timeout=900, pg_timeout=600) for fused in r]
+    assert len(ranks) == 4
     for rank in ranks:
         assert rank["exact"] == [True] * (STEPS + 1) and rank["exact_after_load"] is True
         assert rank["skipped"] == [step == POISON_STEP for step in range(STEPS)]
