@@ -51,8 +51,9 @@ class Hyper:
                 self.lr / bc1, -1.0 if self.maximize else 1.0]
 
 
-def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
-    """The reference: torch ops, one rounding each (``w`` bf16; ``m``, ``v`` float32 or bf16)."""
+def arithmetic(w, grad, m, v, hyper: Hyper):
+    """The new float32 ``(w, m, v)`` of the step, in torch ops (one rounding each, in the
+    order above; the arguments are read, not written)."""
     decay, l2, b1, omb1, b2, omb2, bc2s, eps, step_size, sign = hyper.consts()
     g = grad.float().mul(sign)
     p = w.float()
@@ -62,7 +63,12 @@ def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, i
     m32 = m.float().mul(b1).add(g.mul(omb1))
     v32 = v.float().mul(b2).add(g.mul(g).mul(omb2))
     denom = v32.sqrt().div(bc2s).add(eps)
-    p = p.sub(m32.div(denom).mul(step_size))
+    return p.sub(m32.div(denom).mul(step_size)), m32, v32
+
+
+def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
+    """The reference: torch ops, one rounding each (``w`` bf16; ``m``, ``v`` float32 or bf16)."""
+    p, m32, v32 = arithmetic(w, grad, m, v, hyper)
     round_counter_(w, p, seed, step, tensor, 0, index)
     for state, new, stream in ((m, m32, 1), (v, v32, 2)):
         if state.dtype == torch.bfloat16:

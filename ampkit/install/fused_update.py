@@ -32,10 +32,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     an exact AdamW / Adam whose group asks for nothing this kernel does not do, and state (if
     any) as this path keeps it. (On CUDA torch's own AdamW kernels stay: no fused kernel is
     written for CUDA yet, and the eager reference there is no faster than them.)"""
-    if (type(optimizer) not in KINDS or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
-            or local(p).device.type != "cpu"):
-        return False
-    if group.get("amsgrad") or group.get("capturable") or group.get("differentiable") or group.get("fused"):
+    if not plain(optimizer, group, p, grad):
         return False
     state = optimizer.state.get(p)
     if not state:
@@ -43,6 +40,15 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
     return (tuple(state) == STATE_KEYS and all(state[k].dtype == dtype and state[k].shape == p.shape for k in STATE_KEYS[1:])
             and not (torch.is_tensor(state["step"]) and state["step"].device.type != "cpu"))
+
+
+def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
+    Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
+    if (type(optimizer) not in KINDS or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
+            or local(p).device.type != "cpu"):
+        return False
+    return not (group.get("amsgrad") or group.get("capturable") or group.get("differentiable") or group.get("fused"))
 
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
