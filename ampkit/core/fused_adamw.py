@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import counter_bits, native
+from .ieee import sqrt
 from .counter_bits import Index
 from .rounding import BLOCK, round_counter_
 
@@ -62,7 +63,7 @@ def arithmetic(w, grad, m, v, hyper: Hyper):
     p = p.mul(decay)
     m32 = m.float().mul(b1).add(g.mul(omb1))
     v32 = v.float().mul(b2).add(g.mul(g).mul(omb2))
-    denom = v32.sqrt().div(bc2s).add(eps)
+    denom = sqrt(v32).div(bc2s).add(eps)  # correctly rounded, as the kernel's sqrtf
     return p.sub(m32.div(denom).mul(step_size)), m32, v32
 
 

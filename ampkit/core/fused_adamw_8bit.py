@@ -28,6 +28,7 @@ import torch
 from . import counter_bits, native
 from .blockquant import counter_draws, dequantize, quantize_
 from .fused_adamw import Hyper, arithmetic
+from .ieee import sqrt
 from .rounding import round_counter_
 
 __all__ = ["BLOCK", "span", "step_"]
@@ -59,7 +60,7 @@ def step_eager(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, ste
     draws = [padded(counter_draws(torch.empty(n, dtype=torch.int32), seed, step, tensor, s, first), 0, torch.int32)
              for s in (1, 2)]
     codes = torch.empty(lead + n, dtype=torch.uint8)
-    quantize_(codes, vs, padded(v.sqrt(), 0.0), draws[1], BLOCK)
+    quantize_(codes, vs, padded(sqrt(v), 0.0), draws[1], BLOCK)
     vq.copy_(codes[lead:])
     limit = dequantize(codes, vs, torch.empty(lead + n), BLOCK).mul_(cap if math.isfinite(cap) else math.nan)
     x = padded(m, 0.0).masked_fill_(limit.isinf(), 0.0)

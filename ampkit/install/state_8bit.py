@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..core import ieee
 from ..core.blockquant import counter_draws, dequantize, num_blocks, quantize_
 from .shards import global_index, like, local
 
@@ -181,7 +182,7 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
             torch._foreach_copy_(segments, values)
             limit = None
             if code == torch.uint8:
-                x.sqrt_()
+                x.copy_(ieee.sqrt(x))  # correctly rounded (torch's is not), as O8's fused kernel
             else:
                 limit = _limit(group, x, values, caps, roots)
             q = torch.empty(x.numel(), dtype=code, device=x.device)
