@@ -121,7 +121,7 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
                              float *restrict ms, uint8_t *restrict vq, float *restrict vs, int k, int64_t first,
                              uint64_t key0, uint64_t key1, const float *restrict c, float cap,
                              uint16_t *restrict bw, int8_t *restrict bm, uint8_t *restrict bv, int64_t *restrict bad) {
-    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK];
+    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK], db[Q8_BLOCK];
     const float top = 1.8125f * 0x1p127f, sm = *ms, sv0 = *vs, c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3],
                 c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8], c9 = c[9];
     const int l2 = c1 != 0.0f;
@@ -136,11 +136,13 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         p = p * c0;
         float m = (qm == -128 ? NAN : (float)qm * sm) * c2 + g * c3;
         float v = (r0 * r0) * c4 + (g * g) * c5;
-        float denom = sqrtf(v) / c6 + c7;
+        float r = sqrtf(v);
+        float denom = r / c6 + c7;
         p = p - (m / denom) * c8;
         nbad += !isfinite(p);
-        w[j] = narrow(p, (word(key0, first + j) >> 16) & 0xFFFF);
-        mb[j] = m; rb[j] = sqrtf(v);
+        uint64_t a = word(key0, first + j);  /* stream 0: bits 16..31, stream 1 (m): 32..55 */
+        w[j] = narrow(p, (a >> 16) & 0xFFFF);
+        mb[j] = m; rb[j] = r; db[j] = (float)(int32_t)((a >> 32) & 0xFFFFFF);
     }
     const float sv = q8_scale(q8_absmax(rb, k, top), 1, 0.90625f);
     for (int j = 0; j < k; j++) {
@@ -152,7 +154,7 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         int normal = y >= 0x1p-14f;
         float low = normal ? (float)((int32_t)(u >> 19) - (112 << 4)) : flin;
         float frac = normal ? (float)(u & 0x7FFFF) * 0x1p-19f : lin - flin;
-        float d = (float)(word(key1, first + j) & 0xFFFFFF);
+        float d = (float)(int32_t)(word(key1, first + j) & 0xFFFFFF);
         uint8_t code = (uint8_t)(int32_t)(low + (float)(d < frac * 0x1p24f));
         code = nan ? 254 : (inf ? 255 : code);
         vq[j] = code;
@@ -166,8 +168,7 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         int fin = isfinite(m);
         float y = fin ? fabsf(m) / sm1 : 0.0f;
         float low = floorf(y), frac = y - low;
-        float d = (float)((word(key0, first + j) >> 32) & 0xFFFFFF);
-        low = low + (float)(d < frac * 0x1p24f);
+        low = low + (float)(db[j] < frac * 0x1p24f);
         float lim = floorf(lb[j] / sm1);
         lim = isnan(lim) ? INFINITY : lim;
         low = lim < low ? lim : low;
