@@ -31,7 +31,7 @@ from .fused_adamw import Hyper, arithmetic
 from .ieee import sqrt
 from .rounding import round_counter_
 
-__all__ = ["BLOCK", "span", "step_"]
+__all__ = ["BLOCK", "span", "step_", "restore_", "backups"]
 
 BLOCK = 256
 

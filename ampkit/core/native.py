@@ -1,7 +1,7 @@
 """Fused CPU kernels in C, built on first use with the system's C compiler and cached.
 
-One pass per chunk for O7's update: read the gradient, the weight and the optimizer state
-once, write the weight and the state once, with the stochastic rounding's counter bits
+One pass per chunk for O7's and O8's AdamW updates: read the gradient, the weight and the
+optimizer state once, write the weight and the state once, with the stochastic rounding's counter bits
 (``core/counter_bits.py``) computed inside. The source is plain C (no torch headers, so the
 build takes about a second, not the minute of a ``torch.utils.cpp_extension`` build); it is
 compiled with ``-ffp-contract=off`` and without fast-math, so every float operation is one

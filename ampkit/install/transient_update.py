@@ -12,7 +12,9 @@ copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMEN
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
 (those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
 same way; with ``"8bit"`` (O8) they are stored as 8-bit codes with per-block scales
-(``state_8bit.py``), widened to float32 for the chunk's step. Float32 parameters
+(``state_8bit.py``), widened to float32 for the chunk's step (a plain AdamW / Adam on CPU
+steps its bf16 parameters in O8's one-pass kernel instead, ``fused_update_8bit.py``, in
+the same chunks). Float32 parameters
 (BatchNorm kept fp32) are stepped as they are. At O8 a chunk whose update would write a
 non-finite weight writes nothing: its weights, float32 parameters and state stay, and the
 step is reported skipped (``step_was_skipped``, a warning naming the parameters); with
