@@ -1,14 +1,14 @@
 """Fused CPU kernels in C, built on first use with the system's C compiler and cached.
 
 One pass per chunk for O7's and O8's AdamW updates: read the gradient, the weight and the
-optimizer state once, write the weight and the state once, with the stochastic rounding's counter bits
-(``core/counter_bits.py``) computed inside. The source is plain C (no torch headers, so the
-build takes about a second, not the minute of a ``torch.utils.cpp_extension`` build); it is
-compiled with ``-ffp-contract=off`` and without fast-math, so every float operation is one
-IEEE-rounded operation, exactly as in the eager torch reference (``-fno-trapping-math`` only
-lets the compiler ignore floating-point exception flags, so that it vectorizes selects on
-float comparisons), and the results are bit for bit the eager path's whatever SIMD width
-the compiler picks. The library is cached
+optimizer state once, write the weight and the state once, with the stochastic rounding's
+counter bits (``core/counter_bits.py``) computed inside. The source is plain C (no torch
+headers, so the build takes about a second, not the minute of a
+``torch.utils.cpp_extension`` build); it is compiled with ``-ffp-contract=off`` and without
+fast-math, so every float operation is one IEEE-rounded operation, exactly as in the eager
+torch reference (``-fno-trapping-math`` only lets the compiler ignore floating-point
+exception flags, so that it vectorizes selects on float comparisons), and the results are
+bit for bit the eager path's whatever SIMD width the compiler picks. The library is cached
 under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), keyed by the source, the flags,
 the compiler and the CPU's feature flags; where there is no compiler (or the build fails)
 one line is logged and :func:`library` returns ``None``: the callers then run the eager
