@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import counter_bits, native
+from .ieee import sqrt
 from .counter_bits import Index
 from .rounding import BLOCK, round_counter_
 
@@ -51,15 +52,9 @@ class Hyper:
                 self.lr / bc1, -1.0 if self.maximize else 1.0]
 
 
-def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
-    """The float32 square root of float32 ``t`` rounded to nearest (IEEE's ``sqrtf``, as in the
-    C kernels): torch's own float32 ``sqrt`` on CPU is one ulp off in about one element of
-    six, and a float64 root rounded once to float32 is exact."""
-    return t.double().sqrt_().float()
-
-
-def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
-    """The reference: torch ops, one rounding each (``w`` bf16; ``m``, ``v`` float32 or bf16)."""
+def arithmetic(w, grad, m, v, hyper: Hyper):
+    """The new float32 ``(w, m, v)`` of the step, in torch ops (one rounding each, in the
+    order above; the arguments are read, not written)."""
     decay, l2, b1, omb1, b2, omb2, bc2s, eps, step_size, sign = hyper.consts()
     g = grad.float().mul(sign)
     p = w.float()
@@ -68,8 +63,13 @@ def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, i
     p = p.mul(decay)
     m32 = m.float().mul(b1).add(g.mul(omb1))
     v32 = v.float().mul(b2).add(g.mul(g).mul(omb2))
-    denom = sqrt_rn(v32).div(bc2s).add(eps)
-    p = p.sub(m32.div(denom).mul(step_size))
+    denom = sqrt(v32).div(bc2s).add(eps)  # correctly rounded, as the kernel's sqrtf
+    return p.sub(m32.div(denom).mul(step_size)), m32, v32
+
+
+def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
+    """The reference: torch ops, one rounding each (``w`` bf16; ``m``, ``v`` float32 or bf16)."""
+    p, m32, v32 = arithmetic(w, grad, m, v, hyper)
     round_counter_(w, p, seed, step, tensor, 0, index)
     for state, new, stream in ((m, m32, 1), (v, v32, 2)):
         if state.dtype == torch.bfloat16:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .fused_adamw import Hyper, sqrt_rn
+from .fused_adamw import Hyper, arithmetic
 from .remainder import combine, set_side_table, side_table, split_
 
 __all__ = ["step_master_", "step_remainder_"]
@@ -32,15 +32,9 @@ RBLOCK = 512  # the remainder kernel's block (``core/native.py``): each call lea
 def step_master_eager(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None) -> None:
     """The reference: torch ops, one rounding each, on float32 ``x``, ``grad``, ``m``, ``v``;
     then ``w`` (bf16, optional) ``= x`` rounded to nearest even."""
-    decay, l2, b1, omb1, b2, omb2, bc2s, eps, step_size, sign = hyper.consts()
-    g = grad.mul(sign)
-    p = x
-    if l2 != 0:
-        g = g.add(p.mul(l2))
-    p = p.mul(decay)
-    m.copy_(m.mul(b1).add(g.mul(omb1)))
-    v.copy_(v.mul(b2).add(g.mul(g).mul(omb2)))
-    p = p.sub(m.div(sqrt_rn(v).div(bc2s).add(eps)).mul(step_size))
+    p, m32, v32 = arithmetic(x, grad, m, v, hyper)
+    m.copy_(m32)
+    v.copy_(v32)
     x.copy_(p)
     if w is not None:
         w.copy_(p)

@@ -1,12 +1,14 @@
 """Fused CPU kernels in C, built on first use with the system's C compiler and cached.
 
-One pass per chunk for O7's update: read the gradient, the weight and the optimizer state
-once, write the weight and the state once, with the stochastic rounding's counter bits
-(``core/counter_bits.py``) computed inside. The source is plain C (no torch headers, so the
-build takes about a second, not the minute of a ``torch.utils.cpp_extension`` build); it is
-compiled with ``-ffp-contract=off`` and without fast-math, so every float operation is one
-IEEE-rounded operation, exactly as in the eager torch reference, and the results are bit
-for bit the eager path's whatever SIMD width the compiler picks. The library is cached
+One pass per chunk for O7's and O8's AdamW updates: read the gradient, the weight and the
+optimizer state once, write the weight and the state once, with the stochastic rounding's
+counter bits (``core/counter_bits.py``) computed inside. The source is plain C (no torch
+headers, so the build takes about a second, not the minute of a
+``torch.utils.cpp_extension`` build); it is compiled with ``-ffp-contract=off`` and without
+fast-math, so every float operation is one IEEE-rounded operation, exactly as in the eager
+torch reference (``-fno-trapping-math`` only lets the compiler ignore floating-point
+exception flags, so that it vectorizes selects on float comparisons), and the results are
+bit for bit the eager path's whatever SIMD width the compiler picks. The library is cached
 under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), keyed by the source, the flags,
 the compiler and the CPU's feature flags; where there is no compiler (or the build fails)
 one line is logged and :func:`library` returns ``None``: the callers then run the eager
@@ -29,7 +31,7 @@ import torch
 from .cpu import cpu_info
 from .logs import logger
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c99"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c99"]
 MIN_PER_THREAD = 1 << 15  # elements: below this a call stays on one thread
 
 SOURCE = r"""
@@ -81,6 +83,116 @@ void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t 
     ADAMW_BODY(widen(ms[i]), widen(vs[i]), ms[i] = narrow(m, a >> 48),
                vs[i] = narrow(v, (word(key1, first + i) >> 16) & 0xFFFF))
 }
+
+/* ---- O8: AdamW / Adam on bf16 weights with 8-bit state (core/fused_adamw_8bit.py) ----
+   Blocks of 256 on the full parameter's flat index: local element i (global first + i) is in
+   local block (first + i) / 256 - first / 256. The arithmetic of ADAMW_BODY on m = int8 code *
+   scale and v = (e4m4 code * scale)**2; the new sqrt(v), then m (capped against the stored
+   sqrt(v) times cap; cap NaN: none) quantized per block with the counter draws of streams 2
+   and 1. The old weight, codes and scales go to the backups bw, bm, bv, bms, bvs (so a step
+   that made a weight non-finite can be undone); *bad counts the non-finite new weights. */
+#define Q8_BLOCK 256
+static inline float q8_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t q8_u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float q8_e4m4(uint8_t c) {  /* a uint8 code's value in units of its scale */
+    float v = c >= 16 ? q8_f((uint32_t)(c + (112 << 4)) << 19) : (float)c * 0x1p-18f;
+    v = c == 254 ? NAN : v;
+    return c == 255 ? INFINITY : v;
+}
+static inline float q8_scale(uint32_t absmax, int shift, float half_top) {  /* least 2**e with absmax <= top 2**e */
+    int e;
+    float m = frexpf(q8_f(absmax), &e);
+    e = e - shift + (m > half_top);
+    e = e < -149 ? -149 : (e > 127 ? 127 : e);
+    return ldexpf(1.0f, e);
+}
+
+static inline uint32_t q8_absmax(const float *x, int k, float top) {  /* of the x in [-top, top], as bits */
+    uint32_t most = 0;
+    for (int j = 0; j < k; j++) {
+        uint32_t u = q8_u(x[j]) & 0x7FFFFFFFu & -(uint32_t)(fabsf(x[j]) <= top);  /* NaN: 0 */
+        most = u > most ? u : most;
+    }
+    return most;
+}
+
+/* One block of k elements (loops without branches, so that they vectorize). */
+static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, int8_t *restrict mq,
+                             float *restrict ms, uint8_t *restrict vq, float *restrict vs, int k, int64_t first,
+                             uint64_t key0, uint64_t key1, const float *restrict c, float cap,
+                             uint16_t *restrict bw, int8_t *restrict bm, uint8_t *restrict bv, int64_t *restrict bad) {
+    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK], db[Q8_BLOCK];
+    const float top = 1.8125f * 0x1p127f, sm = *ms, sv0 = *vs, c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3],
+                c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8], c9 = c[9];
+    const int l2 = c1 != 0.0f;
+    int64_t nbad = 0;
+    for (int j = 0; j < k; j++) {
+        int8_t qm = mq[j]; uint8_t qv = vq[j]; uint16_t wj = w[j];
+        bw[j] = wj; bm[j] = qm; bv[j] = qv;
+        float r0 = q8_e4m4(qv) * sv0;
+        float g = widen(grad[j]) * c9;
+        float p = widen(wj);
+        g = l2 ? g + p * c1 : g;
+        p = p * c0;
+        float m = (qm == -128 ? NAN : (float)qm * sm) * c2 + g * c3;
+        float v = (r0 * r0) * c4 + (g * g) * c5;
+        float r = sqrtf(v);
+        float denom = r / c6 + c7;
+        p = p - (m / denom) * c8;
+        nbad += !isfinite(p);
+        uint64_t a = word(key0, first + j);  /* stream 0: bits 16..31, stream 1 (m): 32..55 */
+        w[j] = narrow(p, (a >> 16) & 0xFFFF);
+        mb[j] = m; rb[j] = r; db[j] = (float)(int32_t)((a >> 32) & 0xFFFFFF);
+    }
+    const float sv = q8_scale(q8_absmax(rb, k, top), 1, 0.90625f);
+    for (int j = 0; j < k; j++) {
+        float r = rb[j];
+        int nan = !(r >= 0.0f), inf = r > top;
+        float y = (nan | inf) ? 0.0f : r / sv;
+        uint32_t u = q8_u(y);
+        float lin = y * 0x1p18f, flin = floorf(lin);
+        int normal = y >= 0x1p-14f;
+        float low = normal ? (float)((int32_t)(u >> 19) - (112 << 4)) : flin;
+        float frac = normal ? (float)(u & 0x7FFFF) * 0x1p-19f : lin - flin;
+        float d = (float)(int32_t)(word(key1, first + j) & 0xFFFFFF);
+        uint8_t code = (uint8_t)(int32_t)(low + (float)(d < frac * 0x1p24f));
+        code = nan ? 254 : (inf ? 255 : code);
+        vq[j] = code;
+        float limit = (q8_e4m4(code) * sv) * cap;
+        mb[j] = isinf(limit) ? 0.0f : mb[j];  /* exact Adam's update there is 0 */
+        lb[j] = limit;
+    }
+    const float sm1 = q8_scale(q8_absmax(mb, k, INFINITY), 7, 0.9921875f);
+    for (int j = 0; j < k; j++) {
+        float m = mb[j];
+        int fin = isfinite(m);
+        float y = fin ? fabsf(m) / sm1 : 0.0f;
+        float low = floorf(y), frac = y - low;
+        low = low + (float)(db[j] < frac * 0x1p24f);
+        float lim = floorf(lb[j] / sm1);
+        lim = isnan(lim) ? INFINITY : lim;
+        low = lim < low ? lim : low;
+        int8_t code = (int8_t)(int32_t)copysignf(low, m);
+        mq[j] = fin ? code : (int8_t)-128;
+    }
+    *ms = sm1; *vs = sv;
+    *bad += nbad;
+}
+
+void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
+                int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap, uint16_t *bw, int8_t *bm,
+                uint8_t *bv, float *bms, float *bvs, int64_t *bad) {
+    *bad = 0;
+    for (int64_t a = 0; a < n;) {
+        int64_t blk = (first + a) / Q8_BLOCK - first / Q8_BLOCK;
+        int64_t b = ((first + a) / Q8_BLOCK + 1) * Q8_BLOCK - first;
+        b = b > n ? n : b;
+        bms[blk] = ms[blk]; bvs[blk] = vs[blk];
+        adamw_8bit_block(w + a, grad + a, mq + a, ms + blk, vq + a, vs + blk, (int)(b - a), first + a, key0, key1,
+                         c, cap, bw + a, bm + a, bv + a, bad);
+        a = b;
+    }
+}
 """
 
 _state = {}  # "lib": the loaded library or None (tried), "pool": the thread pool
@@ -119,6 +231,7 @@ def library() -> Optional[ctypes.CDLL]:
             lib = ctypes.CDLL(_build(compiler))
             for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state"):
                 getattr(lib, name).restype = None
+            lib.adamw_8bit.restype = None
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             logger.warning("ampkit: fused CPU kernels unavailable (%s%s); using the eager path (same numbers, slower).",

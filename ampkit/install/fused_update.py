@@ -44,8 +44,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     an exact AdamW / Adam whose group asks for nothing this kernel does not do, and state (if
     any) as this path keeps it. (On CUDA torch's own AdamW kernels stay: no fused kernel is
     written for CUDA yet, and the eager reference there is no faster than them.)"""
-    if (p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse or local(p).device.type != "cpu"
-            or not _plain(optimizer, group)):
+    if not plain(optimizer, group, p, grad):
         return False
     return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
 
@@ -64,6 +63,13 @@ def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.T
 def _plain(optimizer, group: dict) -> bool:
     return type(optimizer) in KINDS and not (group.get("amsgrad") or group.get("capturable")
                                              or group.get("differentiable") or group.get("fused"))
+
+
+def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
+    Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
+    return (p.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16 and not grad.is_sparse
+            and local(p).device.type == "cpu" and _plain(optimizer, group))
 
 
 def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:

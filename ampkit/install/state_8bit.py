@@ -47,6 +47,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..core import ieee
 from ..core.blockquant import block_absmax, counter_draws, dequantize, num_blocks, quantize_
 from .shards import global_index, like, local
 from .shared_blocks import block_first, share_block_maxima_, split_blocks
@@ -190,7 +191,7 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
             torch._foreach_copy_(segments, values)
             limit = None
             if code == torch.uint8:
-                x.sqrt_()
+                x.copy_(ieee.sqrt(x))  # correctly rounded (torch's is not), as O8's fused kernel
             else:
                 limit = _limit(group, x, values, firsts, caps, roots)
             q = torch.empty(x.numel(), dtype=code, device=x.device)

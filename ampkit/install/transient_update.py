@@ -12,7 +12,9 @@ copies live for one chunk, so the extra memory is bounded by :data:`CHUNK_ELEMEN
 state. With ``optimizer_state_dtype=torch.bfloat16`` that state's elementwise tensors
 (those of the parameter's shape) are stored in bfloat16 between steps too, rounded the
 same way; with ``"8bit"`` (O8) they are stored as 8-bit codes with per-block scales
-(``state_8bit.py``), widened to float32 for the chunk's step. Float32 parameters
+(``state_8bit.py``), widened to float32 for the chunk's step (a plain AdamW / Adam on CPU
+steps its bf16 parameters in O8's one-pass kernel instead, ``fused_update_8bit.py``, in
+the same chunks). Float32 parameters
 (BatchNorm kept fp32) are stepped as they are. At O8 a chunk whose update would write a
 non-finite weight writes nothing: its weights, float32 parameters and state stay, and the
 step is reported skipped (``step_was_skipped``, a warning naming the parameters); with
@@ -35,7 +37,7 @@ from torch._utils import _unflatten_dense_tensors
 from ..core.levels import HALF_DTYPES, STATE_8BIT
 from ..core.remainder import combine, remainder, split_
 from ..core.rounding import StochasticRounder
-from . import fused_update, state_8bit
+from . import fused_update, fused_update_8bit, state_8bit
 from .overflow import all_ranks_max, parameter_names
 from .shards import global_index, like, local, shard_of
 
@@ -74,6 +76,7 @@ class TransientUpdate:
         self.state_dtype = state_dtype
         self.ids = {}  # parameter -> its index among the optimizer's (the counter bits' tensor)
         self.skipped_chunks = 0  # this step's chunks that wrote nothing (non-finite weights)
+        self.scratch = {}  # O8's fused path: its backup buffers, kept from step to step
 
     def round_into(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], params: List[torch.Tensor],
                    streams: Optional[List[int]] = None) -> None:
@@ -98,25 +101,40 @@ class TransientUpdate:
         slots = [(g, i, p) for g in opt.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
         grads = {p: p.grad for _, _, p in slots}
         fusable = [self._fusable(g, p, grads[p]) for g, _, p in slots]
-        fused = [(g, p) for (g, _, p), f in zip(slots, fusable) if f]
-        slots = [s for s, f in zip(slots, fusable) if not f]
+        eight = self.state_dtype == STATE_8BIT  # O8's fused parameters stay in the chunks: skipped with them
+        fused = [(g, p) for (g, _, p), f in zip(slots, fusable) if f and not eight]
+        quick = {id(p) for (_, _, p), f in zip(slots, fusable) if f and eight}
+        slots = [s for s, f in zip(slots, fusable) if not f or eight]
         for p in grads:
             p.grad = None  # each chunk's step sees only its own gradients
         parts = chunks(slots, CHUNK_ELEMENTS)
-        several = len(parts) > 1  # then each call starts from the groups as the step found them
-        result, before, after = None, _group_settings(opt) if several else {}, {}
-        held, self.skipped_chunks = len(opt.state), 0
+        several = sum(any(id(p) not in quick for _, _, p in c) for c in parts) > 1  # optimizer calls: each starts
+        result, before, after = None, _group_settings(opt) if several else {}, {}  # from the groups as the step found them
+        held, self.skipped_chunks, calls = len(opt.state), 0, 0
         try:
             if fused and self.model_states is not None:
                 fused_update.step_remainders(opt, fused, grads, self._remainders([p for _, p in fused]))
             elif fused:
                 fused_update.step(opt, fused, grads, self.state_dtype, self.rounder, self.ids)
-            for k, chunk in enumerate(parts):
-                if k:
+            for chunk in parts:
+                undo = None
+                if any(id(p) in quick for _, _, p in chunk):
+                    undo = fused_update_8bit.step(opt, [(g, p) for g, _, p in chunk if id(p) in quick], grads,
+                                                  self.rounder, self.ids, self._skip_fused, self.scratch)
+                    if undo is None:
+                        self.skipped_chunks += 1
+                        continue
+                rest = [s for s in chunk if id(s[2]) not in quick]
+                if not rest:
+                    continue
+                if calls:
                     _restore_group_settings(opt, before)
-                result = self._step_chunk(chunk, grads)
+                calls, skipped = calls + 1, self.skipped_chunks
+                result = self._step_chunk(rest, grads)
                 if several:
                     after.update(_changed_settings(opt, before))
+                if self.skipped_chunks > skipped and undo is not None:
+                    undo()
         finally:
             for p, g in grads.items():
                 p.grad = g
@@ -130,12 +148,18 @@ class TransientUpdate:
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``p`` steps in a fused AdamW (``fused_update.py``: O7's, or the remainder
-        masters' with float32 state) rather than the chunks."""
+        masters' with float32 state; ``fused_update_8bit.py``: O8's) rather than the chunks."""
+        if not fused_update.enabled():
+            return False
         if self.model_states is not None:
-            return (self.state_dtype in (None, torch.float32) and fused_update.enabled()
+            return (self.state_dtype in (None, torch.float32)
                     and fused_update.eligible(self.optimizer, group, p, grad, None))
-        return (self.rounding == "stochastic" and self.state_dtype in (None, torch.float32, torch.bfloat16)
-                and fused_update.enabled() and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
+        if self.rounding != "stochastic":
+            return False
+        if self.state_dtype == STATE_8BIT:
+            return fused_update_8bit.eligible(self.optimizer, group, p, grad)
+        return (self.state_dtype in (None, torch.float32, torch.bfloat16)
+                and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
 
     def _step_chunk(self, chunk, grads):
         """One optimizer call on fp32 copies of the chunk's half parameters, gradients and
@@ -211,12 +235,23 @@ class TransientUpdate:
         if not sums:
             return False
         bad = not torch.stack(sums).isfinite().all().item() and not all(bool(w.isfinite().all()) for w in stepped)
-        if not all_ranks_max(torch.tensor(float(bad), device=sums[0].device)).item():
+        return self._skip_nonfinite([slot for slot, w in zip(chunk, stepped) if not bool(w.isfinite().all())] if bad else [],
+                                    sums[0].device)
+
+    def _skip_fused(self, bad: List[torch.Tensor], device) -> bool:
+        """:meth:`_skip_nonfinite` for the parameters ``bad`` of O8's fused path."""
+        return self._skip_nonfinite([(g, i, p) for g in self.optimizer.param_groups for i, p in enumerate(g["params"])
+                                     if any(p is b for b in bad)], device)
+
+    def _skip_nonfinite(self, bad: list, device) -> bool:
+        """Whether a chunk is skipped because its update made weights non-finite: those of the
+        slots ``bad`` (``(group, index, param)``) here, or some on another rank (one flag
+        reduced over the ranks); then the step is reported skipped, naming them."""
+        if not all_ranks_max(torch.tensor(float(bool(bad)), device=device)).item():
             return False
         opt, name_of = self.optimizer, parameter_names(self.optimizer._ampkit.run)
         where = {id(g): k for k, g in enumerate(opt.param_groups)}
-        names = [name_of.get(p, f"param_groups[{where[id(g)]}][{i}]") for (g, i, p), w in zip(chunk, stepped)
-                 if not bool(w.isfinite().all())]
+        names = [name_of.get(p, f"param_groups[{where[id(g)]}][{i}]") for g, i, p in bad]
         opt._ampkit.update_skipped()
         opt._ampkit.run.log("Non-finite weights from the optimizer's update of %s: not written, their optimizer "
                             "state kept. Skipping step.", ", ".join(names) or "another rank's shards",

@@ -7,10 +7,11 @@ is one cheap pass and every variant sees the same gradients). Timed: from the en
 ``opt.step()``), every variant in turn each step (order reversed on odd steps), medians after
 2 warm-up steps. Variants: O5 and remainder masters (fused AdamW: ``ampkit/core/fused_masters.py``,
 one pass; O5's also moves the bf16 gradients into fp32 master gradients first), O7 and O7 with
-bf16 state (fused AdamW: ``ampkit/core/fused_adamw.py``, one pass), the same four through the
-optimizer's own step (``AMPKIT_FUSED=0``; on CUDA, where the kernels do not run, both rows take
-that step), O8, ampkit's fused fp32 kernel alone on a float32 model, and torch's
-``AdamW(fused=True)`` on a float32 model (the anchor a fused fp32 update should reach).
+bf16 state (fused AdamW: ``ampkit/core/fused_adamw.py``, one pass), O8 (fused:
+``ampkit/core/fused_adamw_8bit.py``), the same five through the optimizer's own step
+(``AMPKIT_FUSED=0``; on CUDA, where the C kernels do not run, both rows take that step), ampkit's
+fused fp32 kernel alone on a float32 model, and torch's ``AdamW(fused=True)`` on a float32 model
+(the anchor a fused fp32 update should reach).
 
 Columns: ``ideal B``: the fewest bytes per parameter the update must read and write (each
 tensor once); ``moved B``: the bytes per parameter the path's kernels move, counted from
@@ -46,7 +47,8 @@ VARIANTS = {
     "O7 bf16 state fused": ("O7", {"optimizer_state_dtype": torch.bfloat16}, True, 4 + 2 + 8, 4 + 2 + 8),
     "O7 eager": ("O7", {}, False, 4 + 2 + 16, 135),
     "O7 bf16 state eager": ("O7", {"optimizer_state_dtype": torch.bfloat16}, False, 4 + 2 + 8, 215),
-    "O8": ("O8", {}, True, 4 + 2 + 4, 600),
+    "O8": ("O8", {}, True, 4 + 2 + 4, 4 + 2 + 4 + 4),  # fused (core/fused_adamw_8bit.py): + 4 B of backup writes
+    "O8 eager": ("O8", {}, False, 4 + 2 + 4, 600),
     "torch AdamW fused fp32": (None, {}, True, 4 + 8 + 16, 4 + 8 + 16),
 }
 

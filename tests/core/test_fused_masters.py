@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ampkit.core import native
-from ampkit.core.fused_adamw import Hyper, sqrt_rn
+from ampkit.core.fused_adamw import Hyper
 from ampkit.core.fused_masters import RBLOCK, step_master_, step_remainder_
 from ampkit.core.remainder import master, remainder, set_side_table, side_table
 
@@ -50,17 +50,6 @@ def clone(ts):
         if t.dtype == torch.int16 and side_table(t).numel():
             set_side_table(o, side_table(t).clone())
     return out
-
-
-def test_sqrt_rn_is_the_correctly_rounded_root():
-    """torch's own float32 sqrt on CPU is not (checked here so the reason for sqrt_rn stays true
-    or is noticed gone); the float64 route is, against an integer check of the rounding."""
-    v = torch.rand(100_000, generator=torch.Generator().manual_seed(3)) * 1e-4
-    r = sqrt_rn(v).double()
-    up = torch.nextafter(r.float(), torch.tensor(float("inf"))).double()
-    down = torch.nextafter(r.float(), torch.tensor(0.0)).double()
-    # r is the nearest float32 to sqrt(v): (r - ulp/2)^2 <= v <= (r + ulp/2)^2, in float64 exactly enough
-    assert (((r + down) / 2) ** 2 <= v.double()).all() and (((r + up) / 2) ** 2 >= v.double()).all()
 
 
 @pytest.mark.parametrize("hyper", HYPERS)
