@@ -6,8 +6,9 @@ is one cheap pass and every variant sees the same gradients). Timed: from the en
 ``backward()`` (leaving ``scale_loss``, where O5 moves the gradients to its masters, then
 ``opt.step()``), every variant in turn each step (order reversed on odd steps), medians after
 2 warm-up steps. Variants: O5, remainder masters, O7 and O7 with bf16 state (fused AdamW:
-``ampkit/core/fused_adamw.py``, one pass), the same two through the optimizer's own step
-(``AMPKIT_FUSED=0``; on CUDA, where the kernel does not run, both rows take that step), O8, and torch's ``AdamW(fused=True)`` on a float32 model (the anchor a
+``ampkit/core/fused_adamw.py``, one pass; on CUDA one ``torch.compile`` Triton kernel per tensor,
+``ampkit/core/compiled_update.py``, compiled during the warm-up steps), the same two through the optimizer's own step
+(``AMPKIT_FUSED=0``), O8, and torch's ``AdamW(fused=True)`` on a float32 model (the anchor a
 fused fp32 update should reach).
 
 Columns: ``ideal B``: the fewest bytes per parameter the update must read and write (each
