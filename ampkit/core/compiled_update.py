@@ -24,7 +24,8 @@ construction:
 CPU copies.) The compiled functions take dynamic shapes (no recompilation per parameter
 size; sizes 1 and 2+ compile apart, as dynamic shapes specialize size 1) and are built per
 index kind (a run from an offset, or every element's index) on first use; torch._inductor
-is imported then, not with ampkit.
+is imported then, not with ampkit. Where inductor's C++ is scalar (no SIMD), a run on CPU
+steps as its elements' index (:func:`_scalar_cpp`).
 """
 import functools
 import os
@@ -127,10 +128,25 @@ def step_compiled(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int
     packed = torch.cat([packed, torch.tensor(hyper.consts(), dtype=torch.float32).view(torch.int64)])
     packed = packed.to(w.device)  # one host-to-device copy
     c = packed[3:].view(torch.float32)
-    if isinstance(index, int):
-        _compiled(False)(w, grad, m, v, c, packed[:3])
-    else:
-        _compiled(True)(w, grad, m, v, c, packed[:3], index.reshape(-1).to(w.device))
+    args = [t.detach() for t in (w, grad, m, v)] + [c, packed[:3]]  # plain tensors, no autograd: fewer guards
+    with torch.no_grad():
+        if isinstance(index, int) and not (w.device.type == "cpu" and _scalar_cpp()):
+            _compiled(False)(*args)
+        else:
+            if isinstance(index, int):
+                index = torch.arange(index, index + w.numel(), dtype=torch.int64)
+            _compiled(True)(*args, index.reshape(-1).to(w.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar_cpp() -> bool:
+    """Whether inductor's C++ code here is scalar (no SIMD ISA: ``ATEN_CPU_CAPABILITY=default``
+    or none found). Its int64 arithmetic is C++'s signed arithmetic, where overflow is undefined,
+    and GCC exploits that in the words of an element counted by the loop (wrong bits after the
+    first few elements); words of a loaded index, and the vector code's, wrap. Triton's
+    arithmetic wraps by definition."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return not pick_vec_isa()
 
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:

@@ -49,6 +49,7 @@ def check(n: int, state_dtype, index, hyper: Hyper):
     got = [t.clone() for t in ref]
     fused_adamw.step_(*ref, hyper, 5, 2, 1, index, lib=None)
     compiled_update.step_(*got, hyper, 5, 2, 1, index)
+    assert not compiled_update._failed  # compiled, not the eager fallback (a recompile limit, say)
     for name, a, b in zip(("w", "grad", "m", "v"), ref, got):
         assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), (n, state_dtype, hyper, name)
     if n > 100:  # it stepped: weights and state moved
@@ -135,4 +136,6 @@ def test_cuda_compiled_equals_the_reference_on_cpu(state_dtype):
             got = [t.cuda() for t in ref]
             fused_adamw.step_(*ref, hyper, 5, 2, 1, index, lib=None)
             compiled_update.step_(*got, hyper, 5, 2, 1, index.cuda() if torch.is_tensor(index) else index)
-            assert all(torch.equal(bits(a), bits(b.cpu())) for a, b in zip(ref, got)), (n, hyper)
+            for a, b in zip(ref, got):  # NaN payloads aside (the float-to-bfloat16 conversions may differ there)
+                b = b.cpu()
+                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(bits(a)[~a.isnan()], bits(b)[~b.isnan()]), (n, hyper)
