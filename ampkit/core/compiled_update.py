@@ -29,6 +29,7 @@ steps as its elements' index (:func:`_scalar_cpp`).
 """
 import functools
 import os
+
 import torch
 
 from . import counter_bits, fused_adamw
@@ -47,7 +48,7 @@ OPTIONS = {  # inductor settings under which the compiled update is the eager re
 }
 TRITON_DEVICES = ("cuda", "xpu")  # device types whose inductor backend is Triton (ROCm reports "cuda")
 _KEEP = -(1 << 16)  # as int32: the float32 bits bfloat16 keeps
-_failed = set()  # device types whose compilation failed (logged once; they run the eager path)
+_failed = set()  # device types whose compilation failed (logged once; a cache, as native.library's)
 ON_CPU = False  # the tests' switch: CPU parameters too step here (inductor's C++ backend)
 
 
@@ -144,7 +145,7 @@ def _scalar_cpp() -> bool:
     or none found). Its int64 arithmetic is C++'s signed arithmetic, where overflow is undefined,
     and GCC exploits that in the words of an element counted by the loop (wrong bits after the
     first few elements); words of a loaded index, and the vector code's, wrap. Triton's
-    arithmetic wraps by definition."""
+    integer arithmetic (LLVM's, without no-wrap flags) wraps by definition."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     return not pick_vec_isa()
 
@@ -152,7 +153,9 @@ def _scalar_cpp() -> bool:
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
     """One AdamW step of bf16 ``w`` in place, as ``fused_adamw.step_`` (the same bits) but in one
     compiled kernel; non-contiguous tensors step through contiguous copies. Where compilation
-    fails, one line is logged and this device runs ``fused_adamw.step_`` from then on."""
+    fails, one line is logged, this call runs ``fused_adamw.step_`` (the eager reference: the
+    same bits on CPU, within a float32 rounding on CUDA), and :func:`available` says no for
+    the device from then on (O7 then takes the optimizer's own step there)."""
     if w.numel() == 0:
         return
     if w.device.type in _failed:
@@ -163,8 +166,9 @@ def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index:
         step_compiled(*(f.view(-1) for f in flat), hyper, seed, step, tensor, index)
     except Exception as err:  # inductor's errors have no common public base class
         _failed.add(w.device.type)
-        logger.warning("ampkit: the compiled O7 update failed on %s (%s: %s); the eager path runs instead, with the "
-                       "same numbers", w.device.type, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        logger.warning("ampkit: the compiled O7 update failed on %s (%s: %s); the eager reference steps this tensor, "
+                       "the optimizer's own step runs from then on", w.device.type, type(err).__name__,
+                       str(err).splitlines()[0] if str(err) else "")
         return fused_adamw.step_(w, grad, m, v, hyper, seed, step, tensor, index)
     for t, f in zip(tensors, flat):
         if f is not t and t is not grad:
