@@ -4,7 +4,9 @@
 #      `cuda` (pytest -k cuda: the keyword matches both), multi-process tests left out;
 #   2. the benchmark families on CUDA (compile family at O0, O2, O5), JSON and tables;
 #   2b. the update family on CUDA (the AdamW update alone per level against its bound; the fused
-#      O7 kernel is CPU only, so on CUDA its rows take torch's AdamW step), JSON and table;
+#      O7 rows run one torch.compile Triton kernel per tensor, core/compiled_update.py, compiled
+#      in the warm-up steps; its bits against the CPU reference are checked in step 1's
+#      tests/core/test_compiled_update.py cuda test), JSON and table;
 #   3. the demo on CUDA with its default sizing;
 #   4. a short frontier run on CUDA (benchmarks/frontier.py --quick: ampkit's bf16 levels and the
 #      peer optimizers that import, O6), JSON and tables.

@@ -13,7 +13,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # ATEN_CPU_CAPABILITY=default and one thread. Paths are relative to tests/: a folder takes all of it,
 # a module all its tests, "module.py::test_name" one test (all its parameters).
 NUMERICS = (
-    "core/test_blockquant.py", "core/test_casting.py", "core/test_remainder.py", "core/test_rounding.py",
+    "core/test_blockquant.py", "core/test_casting.py", "core/test_compiled_update.py", "core/test_remainder.py",
+    "core/test_rounding.py",
     "install/test_apex_lists.py", "install/test_copies.py", "install/test_dropped_batches.py",
     "install/test_float8.py", "install/test_grad_kinds.py", "install/test_master_weights.py",
     "install/test_multi_loss.py", "install/test_recurrent.py", "install/test_remainder_masters.py",

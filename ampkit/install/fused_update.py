@@ -19,12 +19,17 @@ AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (
 move between the fused path and plain torch. Without a C compiler the eager references run,
 with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
 through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step.
+
+O7's update also runs on CUDA (and other Triton device) parameters, as one ``torch.compile``
+kernel per tensor (``core/compiled_update.py``) where Triton is installed, with the same
+numbers as the C kernel; ``AMPKIT_COMPILED_UPDATE=0`` turns that off (accelerator
+parameters then take the optimizer's own step).
 """
 import os
 
 import torch
 
-from ..core import native
+from ..core import compiled_update, native
 from ..core.fused_adamw import Hyper, step_
 from ..core.fused_masters import step_master_, step_remainder_
 from .shards import global_index, like, local
@@ -40,13 +45,22 @@ def enabled() -> bool:
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
-    """Whether ``p`` of ``group`` steps here: a bf16 CPU parameter with a dense bf16 gradient of
-    an exact AdamW / Adam whose group asks for nothing this kernel does not do, and state (if
-    any) as this path keeps it. (On CUDA torch's own AdamW kernels stay: no fused kernel is
-    written for CUDA yet, and the eager reference there is no faster than them.)"""
-    if not plain(optimizer, group, p, grad):
+    """Whether ``p`` of ``group`` steps in O7's :func:`step`: a bf16 parameter on CPU or where
+    the compiled kernel runs (``compiled_update.available``: CUDA with Triton), with a dense
+    bf16 gradient, of an exact AdamW / Adam whose group asks for nothing this kernel does not
+    do, and state (if any) as this path keeps it. (Elsewhere torch's own AdamW kernels stay:
+    the eager reference off CPU is no faster than them.)"""
+    device = local(p).device
+    if not _bf16_dense(p, grad) or not _plain(optimizer, group) or (
+            device.type != "cpu" and not compiled_update.available(device)):
         return False
     return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
+
+
+def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether bf16 ``p`` with remainder masters steps in :func:`step_remainders`: :func:`plain`
+    (CPU only: the kernel is C) and float32 state (if any) as this path keeps it."""
+    return plain(optimizer, group, p, grad) and _state_as_kept(optimizer.state.get(p), p, torch.float32)
 
 
 def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
@@ -68,8 +82,11 @@ def _plain(optimizer, group: dict) -> bool:
 def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
     Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
-    return (p.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16 and not grad.is_sparse
-            and local(p).device.type == "cpu" and _plain(optimizer, group))
+    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and _plain(optimizer, group)
+
+
+def _bf16_dense(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    return p.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16 and not grad.is_sparse
 
 
 def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
@@ -97,13 +114,16 @@ def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all :func:`eligible`)."""
-    lib = native.library()
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
     for group, p in params:
         state, hyper = _begin(optimizer, group, p, dtype)
+        args = (local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
+                rounder.seed, rounder.step, ids[p], global_index(p))
         with torch.no_grad():
-            step_(local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
-                  rounder.seed, rounder.step, ids[p], global_index(p), lib)
+            if compiled_update.available(args[0].device):
+                compiled_update.step_(*args)
+            else:
+                step_(*args, native.library() if args[0].device.type == "cpu" else None)
 
 
 def masters_to_step(optimizer, owner: dict) -> list:

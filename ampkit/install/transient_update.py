@@ -153,7 +153,7 @@ class TransientUpdate:
             return False
         if self.model_states is not None:
             return (self.state_dtype in (None, torch.float32)
-                    and fused_update.eligible(self.optimizer, group, p, grad, None))
+                    and fused_update.remainder_eligible(self.optimizer, group, p, grad))
         if self.rounding != "stochastic":
             return False
         if self.state_dtype == STATE_8BIT:

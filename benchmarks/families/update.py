@@ -7,7 +7,8 @@ is one cheap pass and every variant sees the same gradients). Timed: from the en
 ``opt.step()``), every variant in turn each step (order reversed on odd steps), medians after
 2 warm-up steps. Variants: O5 and remainder masters (fused AdamW: ``ampkit/core/fused_masters.py``,
 one pass; O5's also moves the bf16 gradients into fp32 master gradients first), O7 and O7 with
-bf16 state (fused AdamW: ``ampkit/core/fused_adamw.py``, one pass), O8 (fused:
+bf16 state (fused AdamW: ``ampkit/core/fused_adamw.py``, one pass; on CUDA one ``torch.compile``
+Triton kernel per tensor, ``ampkit/core/compiled_update.py``, compiled during the warm-up steps), O8 (fused:
 ``ampkit/core/fused_adamw_8bit.py``), the same five through the optimizer's own step
 (``AMPKIT_FUSED=0``; on CUDA, where the C kernels do not run, both rows take that step), ampkit's
 fused fp32 kernel alone on a float32 model, and torch's ``AdamW(fused=True)`` on a float32 model

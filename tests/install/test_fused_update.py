@@ -1,6 +1,7 @@
 """O7's fused AdamW: the C kernel equals the eager reference bit for bit (odd sizes,
 non-contiguous and empty tensors, skipped steps, resumes, shards, threads), the reference
-follows torch's AdamW, and a machine without a compiler gets the same numbers."""
+follows torch's AdamW, a machine without a compiler gets the same numbers, and the
+compiled path that CUDA takes (forced here on CPU) gives them too."""
 import copy
 import logging
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.core import native
+from ampkit.core import compiled_update, native
 from ampkit.core.fused_adamw import Hyper, step_
 from ampkit.core.registry import current as current_run
 from ampkit.install import fused_update
@@ -358,3 +359,40 @@ def test_masters_of_ineligible_optimizers_and_settings_take_the_optimizer_step(m
     m.grad = torch.zeros(3)
     opt.state[m] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, dtype=torch.float64), "exp_avg_sq": torch.zeros(3)}
     assert not master_eligible(opt, opt.param_groups[0], m, p)  # state not as this path keeps it
+@pytest.mark.slow  # inductor compiles a graph per state dtype (about 10 s each on 2 cores)
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_training_through_the_compiled_update_equals_the_kernel(lib, monkeypatch, tmp_path, state_dtype):
+    """O7 with the compiled path forced on CPU (the path CUDA parameters take): every non-empty
+    parameter steps in the compiled kernel, and weights and state equal the C kernel's bit
+    for bit after steps with a skipped one."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    calls = []
+    step_compiled = compiled_update.step_compiled
+    monkeypatch.setattr(compiled_update, "step_compiled", lambda w, *a: calls.append(w.numel()) or step_compiled(w, *a))
+    runs = {}
+    for kind in ("kernel", "compiled"):
+        monkeypatch.setattr(compiled_update, "ON_CPU", kind == "compiled")
+        model, opt = o7(state_dtype)
+        train(model, opt, batches(4), poison=(1,))
+        runs[kind] = snapshot(model, opt)
+        nonempty = sorted(p.numel() for p in model.parameters() if p.numel())
+        assert sorted(calls) == (sorted(nonempty * 3) if kind == "compiled" else [])
+    assert same(runs["kernel"], runs["compiled"])
+    assert not same(runs["compiled"], snapshot(*o7(state_dtype)))
+
+
+def test_cuda_parameters_are_eligible_where_the_compiled_update_runs(monkeypatch):
+    """A (fake) CUDA parameter steps in the fused path exactly when the compiled update is
+    available there (Triton installed), else in torch's AdamW."""
+    import torch.utils._triton as triton_utils
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        p = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="cuda"))
+        g = torch.zeros(3, dtype=torch.bfloat16, device="cuda")
+    opt = torch.optim.AdamW([p])
+    for has_triton in (False, True):
+        monkeypatch.setattr(triton_utils, "has_triton", lambda: has_triton)
+        assert fused_update.eligible(opt, opt.param_groups[0], p, g, None) is has_triton
+    monkeypatch.setenv("AMPKIT_COMPILED_UPDATE", "0")
+    assert not fused_update.eligible(opt, opt.param_groups[0], p, g, None)
