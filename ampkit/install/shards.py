@@ -33,13 +33,15 @@ def like(part: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def shard_of(whole: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole`` (a tensor of ``ref``'s global shape), cut as ``ref`` is;
-    the first rank's ``whole`` counts (collective when ``ref`` is a DTensor)."""
+    """This rank's part of ``whole`` (a tensor of ``ref``'s global shape), cut as ``ref`` is, on
+    the device of ``ref``'s local part (the CPU with FSDP2's ``CPUOffloadPolicy``, where the
+    mesh is an accelerator's); the first rank's ``whole`` counts (collective when ``ref`` is a
+    DTensor)."""
     if not is_dtensor(ref):
         return whole
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(whole.detach(), ref.device_mesh, ref.placements).to_local()
+    return distribute_tensor(whole.detach(), ref.device_mesh, ref.placements).to_local().to(local(ref).device)
 
 
 def global_index(t: torch.Tensor):

@@ -45,7 +45,7 @@ from . import reshard
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
 
-FSDP_KWARGS = ("blocks", "mesh", "reshard_after_forward")
+FSDP_KWARGS = ("blocks", "mesh", "reshard_after_forward", "offload_policy")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -191,6 +191,7 @@ def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) 
 
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"initialize(fsdp_kwargs={{'mesh': {mesh!r}}}): expected a torch DeviceMesh or None.")
+    _check_offload(kwargs.get("offload_policy"))
     for m in models:
         if is_sharded(m):
             raise RuntimeError(
@@ -205,6 +206,21 @@ def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) 
                 f"(ampkit.parallel.load_sharded)."
             )
     return Plan(props, kwargs, cast_model_outputs)
+
+
+def _check_offload(policy) -> None:
+    """``fsdp_kwargs["offload_policy"]``: a torch ``OffloadPolicy``; pinned memory needs an
+    accelerator (FSDP2 would fail half-way through sharding without one)."""
+    if policy is None:
+        return
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"initialize(fsdp_kwargs={{'offload_policy': {policy!r}}}): expected a torch.distributed.fsdp."
+                        f"CPUOffloadPolicy (or OffloadPolicy(), no offload).")
+    if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and not torch.accelerator.is_available():
+        raise ValueError(f"initialize(fsdp_kwargs={{'offload_policy': {policy!r}}}): pinned memory needs an "
+                         f"accelerator and none is available; pass CPUOffloadPolicy(pin_memory=False).")
 
 
 def adopt_sharded(optimizer: torch.optim.Optimizer, sharded: Dict[torch.Tensor, torch.Tensor]) -> None:

@@ -1,0 +1,178 @@
+"""``fsdp_kwargs={"offload_policy": CPUOffloadPolicy(pin_memory=False)}`` at O5, O7 (float32
+and bf16 state), O8 and remainder masters, on 2 gloo ranks in one launch.
+
+Per level: the offloaded run equals the same run without offload bit for bit (weights,
+optimizer state, loss scalers, an overflow on one rank skipped alike); every local shard
+the step reads or writes (weights, gradients, state, remainders) is a CPU tensor; O7's
+fused AdamW steps every offloaded shard; a ``save_sharded`` checkpoint of the offloaded
+run, loaded into a fresh offloaded model, resumes it bit for bit.
+
+On a CPU-only machine offload moves nothing (the mesh is on the CPU already): this shows
+that FSDP2's offload code paths (gradients ``.to("cpu")``, no pinning, the lazy-init
+checks) change nothing in ampkit's step and checkpoints, not that no device copies happen
+with a CUDA mesh (``benchmarks/gpu_check.sh`` checks that part).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ampkit.install import fused_update
+from ampkit.parallel import full_state_dict, load_sharded, save_sharded
+from ampkit.parallel.fsdp import is_sharded
+
+from ._launch import run
+from ._tiny import Block, assert_state_equal, batch, build, snapshot
+
+pytestmark = pytest.mark.slow
+
+CASES = {"O5": ("O5", {}), "O7": ("O7", {}), "O7/bf16_state": ("O7", {"optimizer_state_dtype": torch.bfloat16}),
+         "O8": ("O8", {}), "remainder": ("remainder", {})}
+STEPS, SAVE_AT, POISON = 5, 3, 1
+
+
+def _build(case: str, seed: int, offload: bool):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    level, options = CASES[case]
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    return build(level, seed, **kw) if not options else _build_with(level, seed, options, kw)
+
+
+def _build_with(level, seed, options, kw):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), Block(), Block(), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-3)
+    return ampkit.initialize(net, opt, opt_level=level, **options, verbosity=0, max_loss_scale=2.0**10, fsdp=True,
+                             fsdp_kwargs={"blocks": [Block], **kw})
+
+
+def _train(model, opt, steps, rank, world_size):
+    """Steps ``steps``; at :data:`POISON` rank 1's gradient holds an inf (every rank skips)."""
+    skipped = []
+    for step in steps:
+        opt.zero_grad()
+        x, y = batch(step, rank, world_size)
+        with ampkit.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            if step == POISON and rank == 1:
+                with torch.no_grad():
+                    next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+        opt.step()
+        skipped.append(ampkit.step_was_skipped(opt))
+    return skipped
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _devices(model, opt) -> set:
+    """The device types of every local shard the step reads or writes: weights, gradients,
+    optimizer state, remainders."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    tensors += list(getattr(model._ampkit, "remainders", {}).values())
+    return {_local(t).device.type for t in tensors}
+
+
+def _offloads(model) -> list:
+    """FSDP2's own record, per sharded parameter: whether it offloads to the CPU."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [fp.offload_to_cpu for m in model.modules() if isinstance(m, FSDPModule)
+            for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
+
+
+def _refused(policy):
+    """``initialize`` with ``offload_policy=policy``: the error, and whether the model and
+    optimizer were left as they were."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), Block(), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    params, values = list(net.parameters()), [p.detach().clone() for p in net.parameters()]
+    try:
+        ampkit.initialize(net, opt, opt_level="O5", fsdp=True, fsdp_kwargs={"offload_policy": policy}, verbosity=0)
+    except (TypeError, ValueError) as e:
+        untouched = (not is_sharded(net) and getattr(net, "_ampkit", None) is None and list(net.parameters()) == params
+                     and opt.param_groups[0]["params"] == params and not opt.state
+                     and all(torch.equal(p, v) for p, v in zip(net.parameters(), values)))
+        return type(e).__name__, str(e), untouched
+    return None
+
+
+def _worker(rank, world_size, tmp):
+    fused = []
+    step = fused_update.step
+
+    def counting(optimizer, params, *args):  # the offloaded shards O7's fused AdamW steps
+        fused.extend(p for _, p in params)
+        return step(optimizer, params, *args)
+
+    fused_update.step = counting
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    out = {"refused": {"not_a_policy": _refused("cpu")}}
+    if not torch.accelerator.is_available():
+        out["refused"]["pinned_without_accelerator"] = _refused(CPUOffloadPolicy())
+    for case in CASES:
+        model, opt = _build(case, rank, offload=False)
+        start = {k: v.clone() for k, v in full_state_dict(model).items()}
+        plain = {"start": start, "skipped": _train(model, opt, range(STEPS), rank, world_size), "state": snapshot(model, opt)}
+        fused.clear()
+        model, opt = _build(case, rank, offload=True)
+        skipped = _train(model, opt, range(SAVE_AT), rank, world_size)
+        save_sharded(f"{tmp}/{case.replace('/', '_')}", model, opt)
+        skipped += _train(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+        offloaded = {"skipped": skipped, "state": snapshot(model, opt), "devices": _devices(model, opt),
+                     "fused": len(fused), "fused_params": len({id(p) for p in fused}),
+                     "params": len(list(model.parameters())), "offloads": _offloads(model)}
+        model, opt = _build(case, 100 + rank, offload=True)
+        load_sharded(f"{tmp}/{case.replace('/', '_')}", model, opt)
+        resumed = {"skipped": _train(model, opt, range(SAVE_AT, STEPS), rank, world_size),
+                   "state": snapshot(model, opt), "devices": _devices(model, opt)}
+        out[case] = {"plain": plain, "offloaded": offloaded, "resumed": resumed}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run(_worker, 2, str(tmp_path_factory.mktemp("offload")), timeout=900, pg_timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_offload_equals_no_offload_and_resumes_bit_for_bit(two_ranks, case):
+    for rank in two_ranks:
+        got = rank[case]
+        assert got["plain"]["skipped"] == got["offloaded"]["skipped"] == [s == POISON for s in range(STEPS)]
+        assert got["resumed"]["skipped"] == [False] * (STEPS - SAVE_AT)
+        assert got["offloaded"]["devices"] == got["resumed"]["devices"] == {"cpu"}
+    plain, offloaded, resumed = (two_ranks[0][case][k]["state"] for k in ("plain", "offloaded", "resumed"))
+    assert_state_equal(offloaded, plain, "exact", f"{case}: offload vs none")  # same shards: O8 exact too
+    assert_state_equal(resumed, offloaded, "exact", f"{case}: resumed vs continuous")
+    start = two_ranks[0][case]["plain"]["start"]
+    assert start.keys() == plain["model"].keys()
+    assert all(not torch.equal(plain["model"][k], v) for k, v in start.items())  # every tensor trained
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_offload_reaches_fsdp2_and_o7_fuses_the_offloaded_shards(two_ranks, case):
+    for rank in two_ranks:
+        got = rank[case]["offloaded"]
+        assert got["offloads"] and all(got["offloads"]) and len(got["offloads"]) == got["params"]
+        if case.startswith("O7"):  # every shard through the fused AdamW, every step that was not skipped
+            assert got["fused_params"] == got["params"] and got["fused"] == got["params"] * (STEPS - 1)
+        else:
+            assert got["fused"] == 0
+
+
+def test_bad_offload_policies_are_refused_before_anything_changes(two_ranks):
+    expected = {"not_a_policy": ("TypeError", "initialize(fsdp_kwargs={'offload_policy': 'cpu'}): expected a "
+                                              "torch.distributed.fsdp.CPUOffloadPolicy"),
+                "pinned_without_accelerator": ("ValueError", "pass CPUOffloadPolicy(pin_memory=False)")}
+    for rank in two_ranks:
+        assert rank["refused"].keys() <= expected.keys() and "not_a_policy" in rank["refused"]
+        for name, got in rank["refused"].items():
+            assert got is not None, name
+            kind, message, untouched = got
+            assert kind == expected[name][0] and expected[name][1] in message and untouched, (name, got)
