@@ -23,11 +23,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def like(part: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``part`` (a local tensor) as a DTensor sharded like ``ref`` (sharing ``part``'s storage);
-    ``part`` itself when ``ref`` is not a DTensor."""
+    ``part`` itself when ``ref`` is not a DTensor. A CPU ``part`` of an accelerator's mesh
+    (FSDP2's ``CPUOffloadPolicy``) stays on the CPU, as FSDP2 wraps its own shards there
+    (``DTensor.from_local`` would copy it to the mesh's device)."""
     if not is_dtensor(ref):
         return part
     from torch.distributed.tensor import DTensor
 
+    if part.device.type != ref.device_mesh.device_type and not part.is_meta:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = TensorMeta(ref.shape, ref.stride(), part.dtype)
+        return DTensor(part, DTensorSpec(ref.device_mesh, tuple(ref.placements), tensor_meta=meta),
+                       requires_grad=part.requires_grad)
     return DTensor.from_local(part, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                               stride=ref.stride())
 

@@ -101,6 +101,49 @@ def _refused(policy):
     return None
 
 
+def _offloaded_shard(local: torch.Tensor, mesh, shape) -> torch.Tensor:
+    """A CPU shard of a parameter of ``shape`` on ``mesh``, wrapped as FSDP2 wraps an offloaded one."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    stride = torch.empty(shape).stride()
+    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _steps_on_meshes(rank):
+    """CPU shards on a mesh whose device type is "cuda" (what ``CPUOffloadPolicy`` gives on a
+    GPU; the mesh runs nothing) and on a CPU mesh: O7's fused AdamW and a torch AdamW on the
+    float32 copies the transient update wraps with ``shards.like`` (O8, remainder). Per mesh:
+    the weights, the state, and the device types of the state's local parts and mesh."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from ampkit.core.rounding import StochasticRounder
+    from ampkit.install.shards import like
+
+    meshes = {"cuda": DeviceMesh("cuda", torch.arange(2), _init_backend=False), "cpu": init_device_mesh("cpu", (2,))}
+    out = {}
+    for kind, mesh in meshes.items():
+        g = torch.Generator().manual_seed(rank)
+        rows = 5 - rank  # a (9, 5) parameter: 5 rows on rank 0, 4 on rank 1
+        p = torch.nn.Parameter(_offloaded_shard(torch.randn(rows, 5, generator=g).bfloat16(), mesh, (9, 5)))
+        copy = torch.nn.Parameter(like(p.to_local().float(), p))  # a transient fp32 copy
+        opt, copy_opt = (torch.optim.AdamW([t], lr=1e-2, weight_decay=0.1) for t in (p, copy))
+        rounder = StochasticRounder(0)
+        for _ in range(3):
+            grad = torch.randn(rows, 5, generator=g)
+            fused_update.step(opt, [(opt.param_groups[0], p)], {p: _offloaded_shard(grad.bfloat16(), mesh, (9, 5))},
+                              None, rounder, {p: 0})
+            rounder.advance()
+            copy.grad = like(grad, copy)
+            copy_opt.step()
+        states = [v for o in (opt, copy_opt) for st in o.state.values() for v in st.values() if hasattr(v, "to_local")]
+        out[kind] = {"weights": [p.to_local().clone(), copy.to_local().clone()],
+                     "state": [v.to_local().clone() for v in states],
+                     "devices": {(v.to_local().device.type, v.device_mesh.device_type) for v in states + [copy]}}
+    return out
+
+
 def _worker(rank, world_size, tmp):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -112,7 +155,7 @@ def _worker(rank, world_size, tmp):
         return step(optimizer, params, *args)
 
     fused_update.step = counting
-    out = {"refused": {"not_a_policy": _refused("cpu")}}
+    out = {"refused": {"not_a_policy": _refused("cpu")}, "meshes": _steps_on_meshes(rank)}
     if not torch.accelerator.is_available():
         out["refused"]["pinned_without_accelerator"] = _refused(CPUOffloadPolicy())
     for case in CASES:
@@ -177,3 +220,12 @@ def test_bad_offload_policies_are_refused_before_anything_changes(two_ranks):
             assert got is not None, name
             kind, message, untouched = got
             assert kind == expected[name][0] and expected[name][1] in message and untouched, (name, got)
+
+
+def test_state_of_cpu_shards_of_an_accelerators_mesh_stays_on_the_cpu(two_ranks):
+    for rank in two_ranks:
+        cuda, cpu = rank["meshes"]["cuda"], rank["meshes"]["cpu"]
+        assert cuda["devices"] == {("cpu", "cuda")} and cpu["devices"] == {("cpu", "cpu")}
+        assert len(cuda["state"]) == len(cpu["state"]) == 4  # exp_avg and exp_avg_sq of each optimizer
+        for got, want in zip(cuda["weights"] + cuda["state"], cpu["weights"] + cpu["state"]):
+            assert got.dtype == want.dtype and torch.equal(got, want)
