@@ -40,6 +40,7 @@ from ..core.casting import is_batchnorm
 from ..core.errors import NoEffectWarning
 from ..core.levels import HALF_DTYPES, REMAINDER
 from ..core.run import ROUNDING_KEY
+from ..install.overflow import has_backend
 from ..install.shards import is_dtensor
 from . import reshard
 
@@ -132,13 +133,21 @@ class Plan:
 
 
 def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:
-    """Every rank starts from rank 0's parameters and buffers, as with DDP."""
+    """Every rank starts from rank 0's parameters and buffers, as with DDP. A model on the CPU
+    under a group with no CPU backend (NCCL alone, with ``CPUOffloadPolicy``) goes through the
+    current accelerator, one tensor at a time (``fully_shard`` moves it there next anyway)."""
     groups = [None] if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim)]
     with torch.no_grad():
         for group in groups:
             src = 0 if group is None else dist.get_global_rank(group, 0)
+            backends = dist.get_backend_config(group)
             for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src, group=group)
+                if has_backend(t.device.type, backends) or not torch.accelerator.is_available():
+                    dist.broadcast(t.data, src, group=group)
+                    continue
+                moved = t.data.to(torch.accelerator.current_accelerator())
+                dist.broadcast(moved, src, group=group)
+                t.data.copy_(moved)
 
 
 def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) -> Optional[Plan]:
