@@ -5,7 +5,7 @@ Per level: the offloaded run equals the same run without offload bit for bit (we
 optimizer state, loss scalers, an overflow on one rank skipped alike); every local shard
 the step reads or writes (weights, gradients, state, remainders) is a CPU tensor; O7's
 fused AdamW steps every offloaded shard; a ``save_sharded`` checkpoint of the offloaded
-run, loaded into a fresh offloaded model, resumes it bit for bit.
+run, loaded into a fresh model with offload or without, resumes it bit for bit.
 
 The mesh is the CPU's (on any machine), so offload moves nothing: this shows that FSDP2's
 offload code paths (gradients ``.to("cpu")``, no pinning, its lazy-init checks) change
@@ -175,7 +175,11 @@ def _worker(rank, world_size, tmp):
         load_sharded(f"{tmp}/{case.replace('/', '_')}", model, opt)
         resumed = {"skipped": _train(model, opt, range(SAVE_AT, STEPS), rank, world_size),
                    "state": snapshot(model, opt), "devices": _devices(model, opt)}
-        out[case] = {"plain": plain, "offloaded": offloaded, "resumed": resumed}
+        model, opt = _build(case, 100 + rank, offload=False)  # the same checkpoint, offload turned off
+        load_sharded(f"{tmp}/{case.replace('/', '_')}", model, opt)
+        _train(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+        out[case] = {"plain": plain, "offloaded": offloaded, "resumed": resumed,
+                     "resumed_without": {"state": snapshot(model, opt)}}
     return out
 
 
@@ -194,6 +198,8 @@ def test_offload_equals_no_offload_and_resumes_bit_for_bit(two_ranks, case):
     plain, offloaded, resumed = (two_ranks[0][case][k]["state"] for k in ("plain", "offloaded", "resumed"))
     assert_state_equal(offloaded, plain, "exact", f"{case}: offload vs none")  # same shards: O8 exact too
     assert_state_equal(resumed, offloaded, "exact", f"{case}: resumed vs continuous")
+    without = two_ranks[0][case]["resumed_without"]["state"]
+    assert_state_equal(without, offloaded, "exact", f"{case}: resumed without offload vs continuous")
     start = two_ranks[0][case]["plain"]["start"]
     assert start.keys() == plain["model"].keys()
     assert all(not torch.equal(plain["model"][k], v) for k, v in start.items())  # every tensor trained
