@@ -10,6 +10,10 @@
 #   3. the demo on CUDA with its default sizing;
 #   4. a short frontier run on CUDA (benchmarks/frontier.py --quick: ampkit's bf16 levels and the
 #      peer optimizers that import, O6), JSON and tables.
+# Not covered: FSDP2's CPUOffloadPolicy on CUDA (initialize(fsdp=True, fsdp_kwargs={"offload_policy":
+#   CPUOffloadPolicy()})). tests/parallel/test_fsdp_offload.py runs it on a CPU mesh, where nothing
+#   moves; the CUDA path (shards, gradients, optimizer state and the update on the host, the found-inf
+#   flag's one-element trip to the GPU under NCCL alone) needs 2 GPUs for 2 NCCL ranks and is unmeasured.
 # Everything lands in OUT (default benchmarks/results/gpu); a summary in OUT/summary.json.
 # Exits non-zero when there is no CUDA device, a test fails, or a step crashes or runs over its
 # time limit (the limits add up to under 14 minutes). Missed benchmark targets are reported in

@@ -45,7 +45,7 @@ OPTIONS: Tuple[Option, ...] = (
     Option("fsdp", False, "shard each model with FSDP2 (``torch.distributed.fsdp.fully_shard``), the level "
            "mapped onto FSDP2's ``MixedPrecisionPolicy`` (see \"Beyond one GPU's memory\").", annotation=bool),
     Option("fsdp_kwargs", None, "``{\"blocks\": [module classes sharded one group each], \"mesh\": ..., "
-           "\"reshard_after_forward\": ...}``.", annotation=Optional[dict]),
+           "\"reshard_after_forward\": ..., \"offload_policy\": CPUOffloadPolicy(...)}``.", annotation=Optional[dict]),
     Option("update_rounding", None, "``\"stochastic\"`` or ``\"nearest\"``: half weights without masters take "
            "an fp32 update computed per step and rounded back (O7: stochastic).", level=True),
     Option("optimizer_state_dtype", None, "``torch.bfloat16`` keeps the optimizer state in bf16, ``\"8bit\"`` in "

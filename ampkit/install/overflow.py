@@ -113,9 +113,21 @@ def _finite(grad: torch.Tensor) -> bool:
 
 
 def all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
-    """MAX-reduce ``flag`` over the default process group, so every rank skips together."""
+    """MAX-reduce ``flag`` over the default process group, so every rank skips together. A flag
+    on a device the group has no backend for (the CPU gradient shards of FSDP2's
+    ``CPUOffloadPolicy`` under NCCL alone) is reduced on the current accelerator: one element
+    there and back."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = flag.clone()
+        on = flag.device
+        if not has_backend(on.type, dist.get_backend_config()) and torch.accelerator.is_available():
+            on = torch.accelerator.current_accelerator()
+        flag = flag.to(on, copy=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag
+
+
+def has_backend(device_type: str, backends: str) -> bool:
+    """Whether a process group whose ``dist.get_backend_config()`` is ``backends`` (``"cuda:nccl"``,
+    ``"cpu:gloo,cuda:nccl"``) reduces tensors on ``device_type``."""
+    return device_type in {b.split(":")[0] for b in backends.split(",")}

@@ -23,23 +23,33 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def like(part: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``part`` (a local tensor) as a DTensor sharded like ``ref`` (sharing ``part``'s storage);
-    ``part`` itself when ``ref`` is not a DTensor."""
+    ``part`` itself when ``ref`` is not a DTensor. A CPU ``part`` of an accelerator's mesh
+    (FSDP2's ``CPUOffloadPolicy``) stays on the CPU, as FSDP2 wraps its own shards there
+    (``DTensor.from_local`` would copy it to the mesh's device)."""
     if not is_dtensor(ref):
         return part
     from torch.distributed.tensor import DTensor
 
+    if part.device.type != ref.device_mesh.device_type and not part.is_meta:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = TensorMeta(ref.shape, ref.stride(), part.dtype)
+        return DTensor(part, DTensorSpec(ref.device_mesh, tuple(ref.placements), tensor_meta=meta),
+                       requires_grad=part.requires_grad)
     return DTensor.from_local(part, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                               stride=ref.stride())
 
 
 def shard_of(whole: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole`` (a tensor of ``ref``'s global shape), cut as ``ref`` is;
-    the first rank's ``whole`` counts (collective when ``ref`` is a DTensor)."""
+    """This rank's part of ``whole`` (a tensor of ``ref``'s global shape), cut as ``ref`` is, on
+    the device of ``ref``'s local part (the CPU with FSDP2's ``CPUOffloadPolicy``, where the
+    mesh is an accelerator's); the first rank's ``whole`` counts (collective when ``ref`` is a
+    DTensor)."""
     if not is_dtensor(ref):
         return whole
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(whole.detach(), ref.device_mesh, ref.placements).to_local()
+    return distribute_tensor(whole.detach(), ref.device_mesh, ref.placements).to_local().to(local(ref).device)
 
 
 def global_index(t: torch.Tensor):

@@ -40,12 +40,13 @@ from ..core.casting import is_batchnorm
 from ..core.errors import NoEffectWarning
 from ..core.levels import HALF_DTYPES, REMAINDER
 from ..core.run import ROUNDING_KEY
+from ..install.overflow import has_backend
 from ..install.shards import is_dtensor
 from . import reshard
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
 
-FSDP_KWARGS = ("blocks", "mesh", "reshard_after_forward")
+FSDP_KWARGS = ("blocks", "mesh", "reshard_after_forward", "offload_policy")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -132,13 +133,21 @@ class Plan:
 
 
 def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:
-    """Every rank starts from rank 0's parameters and buffers, as with DDP."""
+    """Every rank starts from rank 0's parameters and buffers, as with DDP. A model on the CPU
+    under a group with no CPU backend (NCCL alone, with ``CPUOffloadPolicy``) goes through the
+    current accelerator, one tensor at a time (``fully_shard`` moves it there next anyway)."""
     groups = [None] if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim)]
     with torch.no_grad():
         for group in groups:
             src = 0 if group is None else dist.get_global_rank(group, 0)
+            backends = dist.get_backend_config(group)
             for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src, group=group)
+                if has_backend(t.device.type, backends) or not torch.accelerator.is_available():
+                    dist.broadcast(t.data, src, group=group)
+                    continue
+                moved = t.data.to(torch.accelerator.current_accelerator())
+                dist.broadcast(moved, src, group=group)
+                t.data.copy_(moved)
 
 
 def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) -> Optional[Plan]:
@@ -191,6 +200,7 @@ def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) 
 
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"initialize(fsdp_kwargs={{'mesh': {mesh!r}}}): expected a torch DeviceMesh or None.")
+    _check_offload(kwargs.get("offload_policy"))
     for m in models:
         if is_sharded(m):
             raise RuntimeError(
@@ -205,6 +215,21 @@ def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) 
                 f"(ampkit.parallel.load_sharded)."
             )
     return Plan(props, kwargs, cast_model_outputs)
+
+
+def _check_offload(policy) -> None:
+    """``fsdp_kwargs["offload_policy"]``: a torch ``OffloadPolicy``; pinned memory needs an
+    accelerator (FSDP2 would fail half-way through sharding without one)."""
+    if policy is None:
+        return
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"initialize(fsdp_kwargs={{'offload_policy': {policy!r}}}): expected a torch.distributed.fsdp."
+                        f"CPUOffloadPolicy (or OffloadPolicy(), no offload).")
+    if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and not torch.accelerator.is_available():
+        raise ValueError(f"initialize(fsdp_kwargs={{'offload_policy': {policy!r}}}): pinned memory needs an "
+                         f"accelerator and none is available; pass CPUOffloadPolicy(pin_memory=False).")
 
 
 def adopt_sharded(optimizer: torch.optim.Optimizer, sharded: Dict[torch.Tensor, torch.Tensor]) -> None:
