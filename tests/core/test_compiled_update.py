@@ -14,6 +14,10 @@ import torch
 from ampkit.core import compiled_update, fused_adamw
 from ampkit.core.fused_adamw import Hyper
 
+# Inductor imports torch.utils.mkldnn, whose class bodies use torch.jit.script_method: torch's own
+# deprecation, once per process, not ampkit's.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
           Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0),  # Adam with L2 decay, maximize
           Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, 7.0)]  # Adam without decay
