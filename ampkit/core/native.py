@@ -195,7 +195,7 @@ void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_
 }
 """
 
-_state = {}  # "lib": the loaded library or None (tried), "pool": the thread pool
+_state = {}  # "lib": the loaded library or None (tried), "pool": the thread pool and its size
 
 
 def cache_dir() -> str:
@@ -247,9 +247,11 @@ def run(fn, n: int, call) -> None:
     threads = max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
     if threads == 1:
         return call(fn, 0, n)
-    pool = _state.get("pool")
-    if pool is None or pool._max_workers < threads:
-        pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="ampkit-kernels")
+    pool, size = _state.get("pool", (None, 0))
+    if size < threads:
+        if pool is not None:
+            pool.shutdown(wait=False)
+        pool, size = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="ampkit-kernels"), threads
     bounds = [n * t // threads for t in range(threads + 1)]
     for f in [pool.submit(call, fn, a, b) for a, b in zip(bounds, bounds[1:])]:
         f.result()

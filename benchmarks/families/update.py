@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import ampkit
+from ampkit.install import fused_update
 
 from common import _sync, table, timed
 
@@ -74,7 +75,6 @@ class KernelAdamW:
         self.opt.zero_grad()
 
     def step(self):
-        from ampkit.install import fused_update
         fused_update.step_masters(self.opt, [(g, p, None) for g in self.opt.param_groups for p in g["params"]
                                              if p.grad is not None])
 
