@@ -30,7 +30,7 @@ import os
 import torch
 
 from ..core import compiled_update, native
-from ..core.fused_adamw import Hyper, step_
+from ..core.fused_adamw import Hyper, arithmetic, step_
 from ..core.fused_masters import step_master_, step_remainder_
 from .shards import global_index, like, local
 
@@ -51,7 +51,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     do, and state (if any) as this path keeps it. (Elsewhere torch's own AdamW kernels stay:
     the eager reference off CPU is no faster than them.)"""
     device = local(p).device
-    if not _bf16_dense(p, grad) or not _plain(optimizer, group) or (
+    if not _bf16_dense(p, grad) or not plain_group(optimizer, group) or (
             device.type != "cpu" and not compiled_update.available(device)):
         return False
     return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
@@ -69,12 +69,14 @@ def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.T
     grad = master.grad
     if (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32 or grad.dtype != torch.float32
             or grad.is_sparse or master.shape != param.shape or local(master).device.type != "cpu"
-            or local(param).device.type != "cpu" or not _plain(optimizer, group)):
+            or local(param).device.type != "cpu" or not plain_group(optimizer, group)):
         return False
     return _state_as_kept(optimizer.state.get(master), master, torch.float32)
 
 
-def _plain(optimizer, group: dict) -> bool:
+def plain_group(optimizer, group: dict) -> bool:
+    """Whether ``optimizer`` is an exact AdamW / Adam and ``group`` asks for nothing the fused
+    kernels do not do (amsgrad, capturable, differentiable, fused)."""
     return type(optimizer) in KINDS and not (group.get("amsgrad") or group.get("capturable")
                                              or group.get("differentiable") or group.get("fused"))
 
@@ -82,7 +84,7 @@ def _plain(optimizer, group: dict) -> bool:
 def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
     Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
-    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and _plain(optimizer, group)
+    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and plain_group(optimizer, group)
 
 
 def _bf16_dense(p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -124,6 +126,17 @@ def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> Non
                 compiled_update.step_(*args)
             else:
                 step_(*args, native.library() if args[0].device.type == "cpu" else None)
+
+
+def step_fp32_(optimizer, params) -> None:
+    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (float32 tensors with float32
+    gradients and state: O8's widened copies) in place, in ampkit's arithmetic
+    (``fused_adamw.arithmetic``): what the fused kernels compute, where they cannot run."""
+    for group, p in params:
+        state, hyper = _begin(optimizer, group, p, torch.float32)
+        with torch.no_grad():
+            w, m, v = local(p), local(state["exp_avg"]), local(state["exp_avg_sq"])
+            torch._foreach_copy_([w, m, v], list(arithmetic(w, local(p.grad), m, v, hyper)))
 
 
 def masters_to_step(optimizer, owner: dict) -> list:

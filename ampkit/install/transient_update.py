@@ -200,7 +200,7 @@ class TransientUpdate:
                 if state is not None:
                     opt.state[f] = state
                 swapped.append((group, i, p, f))
-            result = self.step()
+            result = self._optimizer_step(chunk, swapped)
             if kept is not None and self._nonfinite(chunk, flat[:sum(w.numel() for w in weights)] if half else None):
                 state_8bit.restore(opt.state, kept[0], lambda p: copy_of[p][0] if p in copy_of else p)
                 _restore_group_settings(opt, kept[1])
@@ -224,6 +224,18 @@ class TransientUpdate:
                     opt.state[p] = state
             for group, i, p in chunk:
                 p.grad = None
+
+    def _optimizer_step(self, chunk, swapped):
+        """The optimizer's own step on the chunk's fp32 copies; at O8 with a plain AdamW / Adam,
+        ampkit's arithmetic instead (``fused_update.step_fp32_``, what O8's fused kernel
+        computes: here for shards whose blocks other ranks share), so that the numbers are the
+        same on every path and world size."""
+        opt = self.optimizer
+        if (self.state_dtype == STATE_8BIT and fused_update.enabled() and len(swapped) == len(chunk)
+                and all(fused_update.plain_group(opt, g) for g, _, _, _ in swapped)):
+            fused_update.step_fp32_(opt, [(g, f) for g, _, _, f in swapped])
+            return None
+        return self.step()
 
     def _nonfinite(self, chunk, new_weights: Optional[torch.Tensor]) -> bool:
         """Whether the chunk's step made a weight non-finite on any rank (one sum, one host

@@ -134,6 +134,26 @@ def test_training_with_the_kernel_equals_the_eager_reference(lib, monkeypatch, t
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+def test_chunks_the_kernel_cannot_take_step_in_its_arithmetic(lib, monkeypatch, adam):
+    """Parameters the kernel does not take (FSDP2 shards cutting blocks, here every parameter
+    by a patched rule) step in the chunks with ampkit's arithmetic, not the optimizer's own
+    step (never called): bit for bit the kernel's run, through a skipped step (so 1 and N ranks
+    agree)."""
+    data = batches(5)
+    runs = {}
+    for kind in ("kernel", "chunks"):
+        if kind == "chunks":
+            monkeypatch.setattr(fused_update_8bit, "_on_block_boundaries", lambda p: False)
+        model, opt = o8(adam)
+        calls = calls_of_own_step(opt)
+        train(model, opt, data, poison=(1,))
+        assert not calls and current_run("t").scalers[0].skipped_steps == 1
+        runs[kind] = snapshot(model, opt)
+    assert same(runs["kernel"], runs["chunks"])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
 def test_ampkit_fused_0_keeps_the_optimizers_own_step(monkeypatch):
     """``AMPKIT_FUSED=0``, and a group the kernel does not do (amsgrad): the optimizer's own step."""
     monkeypatch.setenv("AMPKIT_FUSED", "0")

@@ -425,20 +425,21 @@ def test_the_bounds_are_exact_optimizers_suprema(b1, b2):
 
 
 def record_steps(opt):
-    """Wrap the optimizer's own step (called on the float32 copies of the weights): each call's
-    parameters before and after it, float64. The optimizer steps on the eager path (the
-    fused kernel never calls its step: tests/install/test_fused_update_8bit.py bounds it)."""
+    """Wrap each step of the float32 copies of the weights (the optimizer's own, or ampkit's
+    arithmetic for a plain AdamW / Adam): each call's parameters before and after it, float64.
+    On the chunks' path (the fused kernel steps no copies: tests/install/test_fused_update_8bit.py
+    bounds it)."""
     update, log = opt._ampkit._step, []
     update._fusable = lambda group, p, grad: False
-    inner = update.step
+    inner = update._optimizer_step
 
-    def step():
+    def step(chunk, swapped):
         params = [p for g in opt.param_groups for p in g["params"]]
         before = [p.detach().double().clone() for p in params]
-        result = inner()
+        result = inner(chunk, swapped)
         log.append([(b, p.detach().double().clone()) for b, p in zip(before, params)])
         return result
-    update.step = step
+    update._optimizer_step = step
     return log
 
 

@@ -1,6 +1,10 @@
 """A tiny sharded run for the multi-process checkpoint tests: a few small MLP layers with
 AdamW, initialized with ``fsdp=True``; one global batch of 12 samples per step, cut into one
-equal part per rank at 1, 2, 3 and 4 ranks; snapshots of the whole run as rank 0 sees it."""
+equal part per rank at 1, 2, 3 and 4 ranks; snapshots of the whole run as rank 0 sees it.
+
+The blocks are 8 wide, 16 at O6: torchao's Float8Linear takes Linear layers whose feature
+counts are multiples of 16, so there the two blocks run fp8 (the first and last Linear stay
+bf16, as ``initialize`` decides)."""
 import copy
 
 import torch
@@ -15,12 +19,24 @@ BATCH = 12
 LEVELS = {"O2": {"opt_level": "O2"}, "O5": {"opt_level": "O5"}, "O7": {"opt_level": "O7"}, "O8": {"opt_level": "O8"},
           "remainder": {"opt_level": "O5", "master_weights": "remainder"}}
 ALL_LEVELS = {**{level: {"opt_level": level} for level in ("O0", "O1", "O3", "O4")}, **LEVELS}
+# every level, and O7 with bf16 optimizer state: the resharding matrix (tests/parallel/_matrix.py)
+MATRIX_LEVELS = {level: ALL_LEVELS[level] for level in ("O0", "O1", "O2", "O3", "O4", "O5")}
+MATRIX_LEVELS.update({"O6": {"opt_level": "O6"}, "O7": ALL_LEVELS["O7"],
+                      "O7/bf16_state": {"opt_level": "O7", "optimizer_state_dtype": torch.bfloat16},
+                      "O8": ALL_LEVELS["O8"], "remainder": ALL_LEVELS["remainder"]})
+WIDTH = {"O6": 16}
+# Losses of two runs that group the samples' gradients differently (another number of ranks,
+# another mesh) agree to the rounding of the compute dtype, not bit for bit.
+BF16 = dict(rtol=1e-2, atol=1e-2)
+# fp8 (O6): e4m3 keeps 3 mantissa bits, and its per-tensor scales follow each rank's part of the batch.
+TOLERANCE = {"O0": dict(rtol=1e-5, atol=1e-6), "O1": dict(rtol=2e-3, atol=2e-3), "O2": dict(rtol=2e-3, atol=2e-3),
+             "O3": dict(rtol=2e-3, atol=2e-3), "O6": dict(rtol=3e-2, atol=3e-2)}
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width=8):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc = nn.Linear(width, width)
 
     def forward(self, x):
         return torch.tanh(self.fc(x))
@@ -28,10 +44,11 @@ class Block(nn.Module):
 
 def build(level, seed, sgd=False, **kw):
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 3))
+    width = WIDTH.get(level, 8)
+    net = nn.Sequential(nn.Linear(4, width), Block(width), Block(width), nn.Linear(width, 3))
     opt = (torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9) if sgd else
            torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-3))
-    return ampkit.initialize(net, opt, **ALL_LEVELS[level], verbosity=0, max_loss_scale=2.0**10, fsdp=True,
+    return ampkit.initialize(net, opt, **MATRIX_LEVELS[level], verbosity=0, max_loss_scale=2.0**10, fsdp=True,
                              fsdp_kwargs={"blocks": [Block], **kw})
 
 
@@ -59,8 +76,9 @@ def train(model, opt, steps, rank, world_size):
 
 def snapshot(model, opt):
     """The whole run as rank 0 sees it (empty dicts elsewhere): the model as full_state_dict
-    gathers it, the whole optimizer state (float32 at every level), the loss scalers; and the
-    rounder's seed and step (O7/O8; None at other levels)."""
+    gathers it, the whole optimizer state (in its own dtypes: float32, float16 at O3, bfloat16
+    with bf16 state; O8's widened to float32), the loss scalers; and the rounder's seed and step
+    (O7/O8; None at other levels)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     amp = ampkit.state_dict(optimizer=opt)
