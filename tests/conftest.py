@@ -32,6 +32,17 @@ def device(request):
     return torch.device(request.param)
 
 
+@pytest.fixture(scope="session")
+def lib():
+    """ampkit's C kernels (``ampkit/core/native.py``), for the tests that compare them with the
+    eager references; those skip where no C compiler builds them (the eager path is all there is)."""
+    from ampkit.core import native
+    built = native.library()
+    if built is None:
+        pytest.skip("no C compiler here: the eager path is all there is")
+    return built
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,14 +16,6 @@ HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
 CAP = 2.5  # a bound on |m| / sqrt(v) that binds for some elements of tensors()
 
 
-@pytest.fixture(scope="module")
-def lib():
-    built = native.library()
-    if built is None:
-        pytest.skip("no C compiler here: the eager path is all there is")
-    return built
-
-
 def tensors(n: int, first: int = 0, seed: int = 0) -> list:
     """``[w, grad, m codes, m scales, v codes, v scales]`` with the blocks of ``first``."""
     g = torch.Generator().manual_seed(seed)

@@ -15,14 +15,6 @@ HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
 SIZES = [0, 1, 7, 1001, 3 * native.MIN_PER_THREAD + 5]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    built = native.library()
-    if built is None:
-        pytest.skip("no C compiler here: the eager path is all there is")
-    return built
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 

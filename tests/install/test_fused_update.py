@@ -20,14 +20,6 @@ HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
           Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0)]  # Adam with L2 decay, maximize
 
 
-@pytest.fixture(scope="module")
-def lib():
-    built = native.library()
-    if built is None:
-        pytest.skip("no C compiler here: the eager path is all there is (checked by test_no_compiler_...)")
-    return built
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 

@@ -19,14 +19,6 @@ from tests.install.test_state_8bit import (_dot_model, adam_constant, adam_state
                                            assert_state_within_bounds, raw_state, train_on)
 
 
-@pytest.fixture(scope="module")
-def lib():
-    built = native.library()
-    if built is None:
-        pytest.skip("no C compiler here: the eager path is all there is")
-    return built
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous().view(-1)
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
