@@ -133,10 +133,13 @@ def train(model, opt, data, poison=()):
         opt.step()
 
 
+ADAMS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),  # what the fused paths take
+         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True)}
+
+
 def o7(state_dtype, adam="adamw"):
     model = make_model()
-    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-           "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True)}[adam](model.parameters())
+    opt = ADAMS[adam](model.parameters())
     return ampkit.initialize(model, opt, opt_level="O7", optimizer_state_dtype=state_dtype, verbosity=0)
 
 
@@ -225,8 +228,7 @@ def test_ineligible_optimizers_and_settings_take_the_optimizer_step():
 
 def o5(master_weights, adam="adamw"):
     model = make_model()
-    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-           "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True)}[adam](model.parameters())
+    opt = ADAMS[adam](model.parameters())
     return ampkit.initialize(model, opt, opt_level="O5", master_weights=master_weights, verbosity=0)
 
 

@@ -14,7 +14,7 @@ from ampkit.core.fused_adamw import Hyper, arithmetic
 from ampkit.core.registry import current as current_run
 from ampkit.core.rounding import StochasticRounder, round_counter_
 from ampkit.install import fused_update_8bit, state_8bit, transient_update
-from tests.install.test_fused_update import batches, make_model, train
+from tests.install.test_fused_update import ADAMS, batches, make_model, train
 from tests.install.test_state_8bit import (_dot_model, adam_constant, adam_state_bound,
                                            assert_state_within_bounds, raw_state, train_on)
 
@@ -26,8 +26,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def o8(adam="adamw", model=None):
     model = model or make_model()
-    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-           "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, maximize=True)}[adam](model.parameters())
+    opt = ADAMS[adam](model.parameters())
     return ampkit.initialize(model, opt, opt_level="O8", verbosity=0)
 
 
