@@ -61,7 +61,7 @@ void round_bf16(const float *src, uint16_t *dst, int64_t n, int64_t first, uint6
     for (int64_t i = 0; i < n; i++) {                                               \
         float g = widen(grad[i]) * c[9];                                            \
         float p = widen(w[i]);                                                      \
-        g = g + p * c[1];                                                           \
+        g = c[1] != 0.0f ? g + p * c[1] : g;  /* as the reference: no inf * 0 */    \
         p = p * c[0];                                                               \
         float m = LOAD_M * c[2] + g * c[3];                                         \
         float v = LOAD_V * c[4] + (g * g) * c[5];                                   \

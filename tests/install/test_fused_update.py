@@ -44,6 +44,23 @@ def test_kernel_equals_the_eager_reference(lib, n, hyper, state_dtype):
         assert not torch.equal(ref[0], fresh[0]) and not torch.equal(ref[2], fresh[2])
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_eager_reference_on_special_weights(lib, state_dtype):
+    """Infinite, NaN and signed-zero weights and gradients: without L2 decay (AdamW, Adam
+    without weight decay) the gradient takes no ``w * 0`` term (``inf * 0`` would be NaN)."""
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-40, 3.0]).bfloat16()
+    for hyper in (HYPERS[0], Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, 2.0)):
+        for grad in (special.flip(0), torch.full_like(special, -0.0)):
+            ref = [special.clone(), grad.clone(), torch.zeros(7, dtype=state_dtype), torch.zeros(7, dtype=state_dtype)]
+            got = [t.clone() for t in ref]
+            step_(*ref, hyper, 5, 2, 1, 0, lib=None)
+            step_(*got, hyper, 5, 2, 1, 0, lib=lib)
+            for a, b in zip(ref, got):  # bit for bit, NaN payloads aside (C and torch make their own)
+                nan = a.isnan()
+                assert torch.equal(nan, b.isnan()) and torch.equal(bits(a)[~nan], bits(b)[~nan]), (hyper, grad)
+            assert ref[2][:2].isfinite().all()  # an infinite weight's moment stays its gradient's
+
+
 def test_kernel_on_non_contiguous_tensors_and_any_thread_count(lib):
     """The eager reference, the kernel on one thread and on two (two ranges), and the kernel
     on non-contiguous tensors (stepped through contiguous copies): the same bits."""
