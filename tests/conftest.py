@@ -13,11 +13,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # ATEN_CPU_CAPABILITY=default and one thread. Paths are relative to tests/: a folder takes all of it,
 # a module all its tests, "module.py::test_name" one test (all its parameters).
 NUMERICS = (
-    "core/test_blockquant.py", "core/test_casting.py", "core/test_compiled_update.py", "core/test_remainder.py",
-    "core/test_rounding.py",
+    "core/test_blockquant.py", "core/test_casting.py", "core/test_compiled_update.py", "core/test_fused_adamw_8bit.py",
+    "core/test_fused_masters.py", "core/test_ieee.py", "core/test_remainder.py", "core/test_rounding.py",
     "install/test_apex_lists.py", "install/test_copies.py", "install/test_dropped_batches.py",
-    "install/test_float8.py", "install/test_grad_kinds.py", "install/test_master_weights.py",
-    "install/test_multi_loss.py", "install/test_recurrent.py", "install/test_remainder_masters.py",
+    "install/test_float8.py", "install/test_fused_update.py", "install/test_fused_update_8bit.py",
+    "install/test_grad_kinds.py", "install/test_master_weights.py", "install/test_multi_loss.py",
+    "install/test_recurrent.py", "install/test_remainder_masters.py", "install/test_shared_blocks.py",
     "install/test_state_8bit.py", "install/test_transient_update.py",
     "normalization/", "parallel/",
     "api/precision/test_ground_truth.py", "api/precision/test_report_api.py", "api/test_checkpoint.py",
