@@ -74,6 +74,7 @@ def worker(rank, world_size, root, name):
         old_layout(rank, world_size, root, out)
     if name == "1":
         ema_load(rank, world_size, root, out)
+        out["averaged_model_refusal"] = averaged_model_refusal()
     if name == "4":
         hsdp(rank, world_size, root, out)
     if name == "2b":
@@ -183,6 +184,18 @@ def ema_save(rank, world_size, root, out):
             states.append(full_state_dict(model))
         out[f"ema/{level}"] = {"ema": _full(ema), "states": states}
         save_sharded(f"{root}/ema/{level}", model, opt, extra={"ema": ema, "step": EMA_STEPS})
+
+
+def averaged_model_refusal() -> str:
+    """What ``AveragedModel`` of a plain ``fully_shard`` model raises (no ampkit involved): the
+    reason the EMA above is kept as shards (pytorch/pytorch#149138)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.optim.swa_utils import AveragedModel
+    try:
+        AveragedModel(fully_shard(torch.nn.Linear(4, 4)))
+    except Exception as e:  # torch's AssertionError today; any refusal is recorded
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def ema_load(rank, world_size, root, out):

@@ -42,3 +42,10 @@ def test_ema_resumes_with_the_run_on_another_number_of_ranks(matrix, level):
     model = loaded[f"ema/{level}/model"]
     assert model.keys() == saved["states"][-1].keys()
     assert all(torch.equal(model[k], v) for k, v in saved["states"][-1].items())
+
+
+def test_torch_refuses_averaged_model_of_a_plain_fsdp2_model(matrix):
+    """The upstream limitation, reproduced in plain torch (no ampkit): ``AveragedModel`` deep-copies
+    the model and FSDP2 refuses (pytorch/pytorch#149138). If this starts to fail, torch lifted it
+    and ``AveragedModel`` of an ampkit FSDP2 model can be tested and documented instead."""
+    assert "FSDP does not support deepcopy" in matrix("1")[0]["averaged_model_refusal"]
