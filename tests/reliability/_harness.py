@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.core.registry import current as current_run
+from ampkit.core.registry import current as current_run, of_optimizer
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 DYNAMIC_LEVELS = {"O1", "O2"}  # the levels whose default loss scale is "dynamic"
@@ -59,8 +59,11 @@ LOSSES = (
 )
 
 
-def scalers():
-    return current_run("reliability test").scalers
+def scalers(optimizer=None):
+    """The loss scalers of ``optimizer``'s run, or of the current run (with several training runs
+    alive, finding it runs the cycle collector: not once per step)."""
+    run = current_run("reliability test") if optimizer is None else of_optimizer("reliability test", optimizer)
+    return run.scalers
 
 
 # --- fault injection --------------------------------------------------------------------
@@ -109,7 +112,7 @@ def train(model, opt, x, y, steps, schedule: Dict[Tuple[int, int], str] = None, 
         if on_step:
             on_step(step, poisoned, before, snapshot(model, opt))
         opt.zero_grad()
-        seq.append(tuple(s.loss_scale() for s in scalers()))
+        seq.append(tuple(s.loss_scale() for s in scalers(opt)))
     return seq
 
 
