@@ -107,11 +107,15 @@ def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
         for k in STATE_KEYS[1:]:
             state[k] = like(torch.zeros_like(local(p), dtype=dtype, memory_format=torch.preserve_format), p)
     state["step"] += 1
+    return state, hyper(optimizer, group, state["step"].item())
+
+
+def hyper(optimizer, group: dict, step: float) -> Hyper:
+    """The :class:`Hyper` of AdamW / Adam ``optimizer``'s ``group`` at ``step`` (this one included)."""
     beta1, beta2 = group["betas"]
-    hyper = Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                  group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
-                  bool(group.get("maximize", False)), state["step"].item())
-    return state, hyper
+    return Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                 group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
+                 bool(group.get("maximize", False)), step)
 
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:

@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import torch
 
 from ..core import native
-from ..core.fused_adamw import Hyper
 from ..core.fused_adamw_8bit import BLOCK, backups, restore_, span, step_
 from . import fused_update, state_8bit
 from .shards import global_index, is_dtensor, like, local
@@ -31,9 +30,9 @@ KEYS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # the packed keys and
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``p`` steps here: ``fused_update.plain``, every rank's part starting on a block
-    boundary (the same answer on every rank; until ``state_8bit`` lays its blocks on the full
-    parameter, a shard starting inside a block keeps the eager path), and state (if any) as
-    ``state_8bit`` packs Adam's."""
+    boundary (the same answer on every rank: a block split between shards needs its maximum
+    over all of them, ``shared_blocks.py``, which the chunks' packing shares and the kernel
+    does not), and state (if any) as ``state_8bit`` packs Adam's."""
     if not fused_update.plain(optimizer, group, p, grad) or not _on_block_boundaries(p):
         return False
     first = global_index(p)
@@ -102,14 +101,10 @@ def _step_one(optimizer, group, p, q, grad, rounder, tensor: int, bound, lib, ba
     state = optimizer.state[p]
     state["step"] += 1
     t = state["step"].item()
-    beta1, beta2 = group["betas"]
-    hyper = Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                  group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
-                  bool(group.get("maximize", False)), t)
     cap = bound(group, t)
     m, v = ([local(state[k + state_8bit.CODES]), state[k + state_8bit.SCALES]] for k in KEYS)
     with torch.no_grad():
-        return step_(q, local(grad), *m, *v, hyper, cap if math.isfinite(cap) else math.nan, rounder.seed, rounder.step,
+        return step_(q, local(grad), *m, *v, fused_update.hyper(optimizer, group, t), cap if math.isfinite(cap) else math.nan, rounder.seed, rounder.step,
                      tensor, global_index(p), lib, backup)
 
 
