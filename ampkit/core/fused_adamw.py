@@ -84,12 +84,8 @@ def step_native(lib, w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: 
     consts = (ctypes.c_float * 10)(*hyper.consts())
     keys = [native.u64(counter_bits.key(seed, step, tensor, s)) for s in (0, 2)]
     fn = lib.adamw_bf16_state if m.dtype == torch.bfloat16 else lib.adamw_fp32_state
-
-    def call(fn, lo, hi):
-        fn(native.ptr(w, lo), native.ptr(grad, lo), native.ptr(m, lo), native.ptr(v, lo), ctypes.c_int64(hi - lo),
-           ctypes.c_int64(first + lo), keys[0], keys[1], consts)
-
-    native.run(fn, n, call)
+    fn(*(native.ptr(t) for t in (w, grad, m, v)), ctypes.c_int64(n), ctypes.c_int64(first), *keys, consts,
+       native.threads(n))
 
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index,

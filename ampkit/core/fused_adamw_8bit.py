@@ -77,30 +77,15 @@ def step_native(lib, w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: in
     scales)`` of the same sizes, the old values put back on a non-finite step."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
     keys = [native.u64(counter_bits.key(seed, step, tensor, s)) for s in (0, 2)]
-    bad = []
-
-    def call(fn, lo, hi):
-        lo, hi = _cut(lo, w.numel(), first), _cut(hi, w.numel(), first)
-        if hi > lo:
-            count, blk = ctypes.c_int64(0), (first + lo) // BLOCK - first // BLOCK
-            fn(*(native.ptr(t, lo) for t in (w, grad, mq)), native.ptr(ms, blk), native.ptr(vq, lo), native.ptr(vs, blk),
-               ctypes.c_int64(hi - lo), ctypes.c_int64(first + lo), keys[0], keys[1], consts,
-               ctypes.c_float(cap if math.isfinite(cap) else math.nan),
-               *(native.ptr(t, lo) for t in backup[:3]), native.ptr(backup[3], blk), native.ptr(backup[4], blk),
-               ctypes.byref(count))
-            bad.append(count.value)
-
-    native.run(lib.adamw_8bit, w.numel(), call)
-    if not any(bad):
+    bad = ctypes.c_int64(0)
+    lib.adamw_8bit(*(native.ptr(t) for t in (w, grad, mq, ms, vq, vs)), ctypes.c_int64(w.numel()), ctypes.c_int64(first),
+                   *keys, consts, ctypes.c_float(cap if math.isfinite(cap) else math.nan),
+                   *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
+    if bad.value == 0:
         return True
     for t, b in zip((w, mq, vq, ms, vs), backup):
         t.copy_(b)
     return False
-
-
-def _cut(i: int, n: int, first: int) -> int:
-    """``i`` moved down to a block boundary (0 and ``n`` stay): where a thread's range starts or ends."""
-    return i if i in (0, n) else max(0, (first + i) // BLOCK * BLOCK - first)
 
 
 def step_(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int, first: int,

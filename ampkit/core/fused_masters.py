@@ -43,12 +43,8 @@ def step_master_eager(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = N
 def step_master_native(lib, x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor]) -> None:
     """:func:`step_master_eager` in one pass of the C kernel (contiguous flat CPU tensors)."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
-
-    def call(fn, lo, hi):
-        fn(native.ptr(x, lo), native.ptr(grad, lo), native.ptr(m, lo), native.ptr(v, lo),
-           None if w is None else native.ptr(w, lo), ctypes.c_int64(hi - lo), consts)
-
-    native.run(lib.adamw_master, x.numel(), call)
+    lib.adamw_master(*(native.ptr(t) for t in (x, grad, m, v)), None if w is None else native.ptr(w),
+                     ctypes.c_int64(x.numel()), consts, native.threads(x.numel()))
 
 
 def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
@@ -80,21 +76,22 @@ def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tens
     """:func:`step_remainder_eager` in one pass of the C kernel (contiguous flat CPU tensors,
     ``table`` ascending); returns the new side table."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
-    fn = lib.adamw_remainder
-    fn.restype = ctypes.c_int64
-    parts = {}
-
-    def call(fn, lo, hi):
-        while lo < hi:  # the candidates are rare: a full buffer ends the call early, and it goes on from there
-            found, count = torch.empty(RBLOCK + 64 + (hi - lo) // 4096, dtype=torch.int64), ctypes.c_int64(0)
-            done = fn(native.ptr(w, lo), native.ptr(r, lo), native.ptr(grad, lo), native.ptr(m, lo), native.ptr(v, lo),
-                      ctypes.c_int64(hi - lo), ctypes.c_int64(lo), native.ptr(table), ctypes.c_int64(table.numel()),
-                      native.ptr(found), ctypes.c_int64(found.numel()), ctypes.byref(count), consts)
-            parts[lo] = found[:count.value]
-            lo += done
-
-    native.run(fn, w.numel(), call)
-    return torch.cat([parts[k] for k in sorted(parts)])
+    parts, todo = [], [(0, w.numel())]
+    while todo:  # the candidates are rare: a range whose buffer filled up goes on from where it stopped
+        lo, hi = todo.pop(0)
+        threads = native.threads(hi - lo)
+        cap = RBLOCK + 64 + (hi - lo) // threads.value // 4096
+        found = torch.empty(threads.value, cap, dtype=torch.int64)
+        counts, done = torch.zeros(threads.value, dtype=torch.int64), torch.zeros(threads.value, dtype=torch.int64)
+        lib.adamw_remainder(*(native.ptr(t, lo) for t in (w, r, grad, m, v)), ctypes.c_int64(hi - lo),
+                            ctypes.c_int64(lo), native.ptr(table), ctypes.c_int64(table.numel()), native.ptr(found),
+                            ctypes.c_int64(cap), native.ptr(counts), native.ptr(done), consts, threads)
+        bounds = [lo + (hi - lo) * t // threads.value for t in range(threads.value + 1)]
+        for t in range(threads.value):
+            parts.append((bounds[t], found[t, :int(counts[t])]))
+            if bounds[t] + int(done[t]) < bounds[t + 1]:
+                todo.append((bounds[t] + int(done[t]), bounds[t + 1]))
+    return torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
 
 
 def step_remainder_(w, r, grad, m, v, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:

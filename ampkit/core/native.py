@@ -12,9 +12,12 @@ bit for bit the eager path's whatever SIMD width the compiler picks. The library
 under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), keyed by the source, the flags,
 the compiler and the CPU's feature flags; where there is no compiler (or the build fails)
 one line is logged and :func:`library` returns ``None``: the callers then run the eager
-path, with the same numbers. Calls run on ``torch.get_num_threads()`` Python threads over
-disjoint ranges (ctypes releases the GIL), which cannot change a result: each element is
-computed on its own.
+path, with the same numbers. A call runs on ``torch.get_num_threads()`` threads over disjoint
+ranges, which cannot change a result (each element is computed on its own): an OpenMP loop
+in the kernel, built with ``-fopenmp`` and so linked to ``libgomp.so.1``, which the process
+already has loaded as torch's own OpenMP runtime, so the kernel runs on the threads torch's
+operators run on (a separate pool would find them spinning on the cores after each operator);
+a compiler without OpenMP builds kernels that run on one thread (logged once).
 """
 import ctypes
 import hashlib
@@ -23,7 +26,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -32,6 +34,7 @@ from .cpu import cpu_info
 from .logs import logger
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c99"]
+OPENMP = "-fopenmp"
 MIN_PER_THREAD = 1 << 15  # elements: below this a call stays on one thread
 
 SOURCE = r"""
@@ -46,14 +49,27 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 static inline uint64_t word(uint64_t key, int64_t i) { return mix64(key + (uint64_t)(i + 1) * GAMMA); }
+
+/* [0, n) cut into `threads` ranges [lo, hi), run on the OpenMP pool: torch's own (the process loads one
+   libgomp.so.1; a build without OpenMP runs them in turn). Every element is computed on its own. */
+#define EACH_RANGE(n, lo, hi, BODY)                                                                      \
+    _Pragma("omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)")               \
+    for (int t_ = 0; t_ < threads; t_++) {                                                              \
+        const int64_t lo = (n) * t_ / threads, hi = (n) * (t_ + 1) / threads;                            \
+        BODY                                                                                            \
+    }
 static inline float widen(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t narrow(float f, uint64_t d16) {  /* + a uniform 16-bit integer, truncated */
     uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + (uint32_t)d16) >> 16);
 }
 
-void round_bf16(const float *src, uint16_t *dst, int64_t n, int64_t first, uint64_t key, int shift) {
+static void round_bf16_range(const float *src, uint16_t *dst, int64_t n, int64_t first, uint64_t key, int shift) {
     for (int64_t i = 0; i < n; i++)
         dst[i] = narrow(src[i], (word(key, first + i) >> shift) & 0xFFFF);
+}
+
+void round_bf16(const float *src, uint16_t *dst, int64_t n, int64_t first, uint64_t key, int shift, int threads) {
+    EACH_RANGE(n, lo, hi, round_bf16_range(src + lo, dst + lo, hi - lo, first + lo, key, shift);)
 }
 
 /* c: decay, l2, beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, step size, sign */
@@ -72,16 +88,26 @@ void round_bf16(const float *src, uint16_t *dst, int64_t n, int64_t first, uint6
         STORE_M; STORE_V;                                                           \
     }
 
-void adamw_fp32_state(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
-                      uint64_t key0, uint64_t key1, const float *c) {
-    (void)key1;
+static void adamw_fp32_range(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
+                             uint64_t key0, const float *c) {
     ADAMW_BODY(ms[i], vs[i], ms[i] = m, vs[i] = v)
 }
 
-void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
-                      uint64_t key0, uint64_t key1, const float *c) {
+static void adamw_bf16_range(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
+                             uint64_t key0, uint64_t key1, const float *c) {
     ADAMW_BODY(widen(ms[i]), widen(vs[i]), ms[i] = narrow(m, a >> 48),
                vs[i] = narrow(v, (word(key1, first + i) >> 16) & 0xFFFF))
+}
+
+void adamw_fp32_state(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
+                      uint64_t key0, uint64_t key1, const float *c, int threads) {
+    (void)key1;
+    EACH_RANGE(n, lo, hi, adamw_fp32_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, c);)
+}
+
+void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
+                      uint64_t key0, uint64_t key1, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, adamw_bf16_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, key1, c);)
 }
 
 /* ---- O8: AdamW / Adam on bf16 weights with 8-bit state (core/fused_adamw_8bit.py) ----
@@ -179,10 +205,9 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
     *bad += nbad;
 }
 
-void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
-                int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap, uint16_t *bw, int8_t *bm,
-                uint8_t *bv, float *bms, float *bvs, int64_t *bad) {
-    *bad = 0;
+static void adamw_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs,
+                             int64_t n, int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap,
+                             uint16_t *bw, int8_t *bm, uint8_t *bv, float *bms, float *bvs, int64_t *bad) {
     for (int64_t a = 0; a < n;) {
         int64_t blk = (first + a) / Q8_BLOCK - first / Q8_BLOCK;
         int64_t b = ((first + a) / Q8_BLOCK + 1) * Q8_BLOCK - first;
@@ -193,18 +218,42 @@ void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_
         a = b;
     }
 }
+
+static int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved down to a block boundary (0 and n stay) */
+    if (i == 0 || i == n) return i;
+    int64_t b = (first + i) / Q8_BLOCK * Q8_BLOCK - first;
+    return b > 0 ? b : 0;
+}
+
+/* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the non-finite new weights. */
+void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
+                int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap, uint16_t *bw, int8_t *bm,
+                uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
+    int64_t total = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(+ : total)
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = q8_cut(n * t / threads, n, first), hi = q8_cut(n * (t + 1) / threads, n, first);
+        const int64_t blk = (first + lo) / Q8_BLOCK - first / Q8_BLOCK;
+        int64_t count = 0;
+        if (hi > lo)
+            adamw_8bit_range(w + lo, grad + lo, mq + lo, ms + blk, vq + lo, vs + blk, hi - lo, first + lo, key0, key1, c,
+                             cap, bw + lo, bm + lo, bv + lo, bms + blk, bvs + blk, &count);
+        total += count;
+    }
+    *bad = total;
+}
 """
 
-_state = {}  # "lib": the loaded library or None (tried), "pool": the thread pool and its size
+_state = {}  # "lib": the loaded library or None (tried)
 
 
 def cache_dir() -> str:
     return os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
 
 
-def _build(compiler: str) -> str:
+def _build(compiler: str, flags: list) -> str:
     """The cached library's path, compiled first if it is not there."""
-    tag = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), compiler, platform.machine(), " ".join(sorted(cpu_info()[1]))]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256("\0".join([SOURCE, " ".join(flags), compiler, platform.machine(), " ".join(sorted(cpu_info()[1]))]).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), "kernels", f"ampkit_kernels_{tag}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -212,9 +261,19 @@ def _build(compiler: str) -> str:
             src, out = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
             with open(src, "w") as f:
                 f.write(SOURCE)
-            subprocess.run([compiler, *FLAGS, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *flags, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(out, path)  # atomic: a concurrent build writes the same bytes
     return path
+
+
+def _build_threaded(compiler: str) -> str:
+    """:func:`_build` with OpenMP, else (logged) without: kernels on one thread."""
+    try:
+        return _build(compiler, FLAGS + [OPENMP])
+    except subprocess.CalledProcessError as e:
+        logger.info("ampkit: %s %s failed (%s); the fused CPU kernels run on one thread.", compiler, OPENMP,
+                    (e.stderr or b"").decode(errors="replace").strip().splitlines()[:1])
+        return _build(compiler, FLAGS)
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -228,10 +287,10 @@ def library() -> Optional[ctypes.CDLL]:
         try:
             if compiler is None:
                 raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on the PATH")
-            lib = ctypes.CDLL(_build(compiler))
-            for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state"):
+            lib = ctypes.CDLL(_build_threaded(compiler))
+            for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state", "adamw_8bit", "adamw_master",
+                         "adamw_remainder"):
                 getattr(lib, name).restype = None
-            lib.adamw_8bit.restype = None
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             logger.warning("ampkit: fused CPU kernels unavailable (%s%s); using the eager path (same numbers, slower).",
@@ -241,20 +300,9 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def run(fn, n: int, call) -> None:
-    """``call(fn, lo, hi)`` over ``[0, n)`` cut into one range per torch thread (one call when
-    ``n`` is small), in parallel."""
-    threads = max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
-    if threads == 1:
-        return call(fn, 0, n)
-    pool, size = _state.get("pool", (None, 0))
-    if size < threads:
-        if pool is not None:
-            pool.shutdown(wait=False)
-        pool, size = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="ampkit-kernels"), threads
-    bounds = [n * t // threads for t in range(threads + 1)]
-    for f in [pool.submit(call, fn, a, b) for a, b in zip(bounds, bounds[1:])]:
-        f.result()
+def threads(n: int) -> ctypes.c_int:
+    """The threads a kernel call over ``n`` elements runs on: torch's, one when ``n`` is small."""
+    return ctypes.c_int(max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD)))
 
 
 def ptr(t: torch.Tensor, at: int = 0) -> ctypes.c_void_p:
@@ -285,8 +333,8 @@ static inline uint16_t rne_bf16(uint32_t u) {  /* torch's float -> bfloat16 (c10
 }
 
 /* O5: master x, its float32 grad, state m, v; w (may be NULL): the bf16 model weight, x rounded to nearest even */
-void adamw_master(float *restrict x, const float *restrict grad, float *restrict ms, float *restrict vs,
-                  uint16_t *restrict w, int64_t n, const float *restrict c) {
+static void adamw_master_range(float *restrict x, const float *restrict grad, float *restrict ms, float *restrict vs,
+                               uint16_t *restrict w, int64_t n, const float *restrict c) {
     const int l2 = c[1] != 0.0f;
     if (w) {
         for (int64_t i = 0; i < n; i++) {
@@ -303,6 +351,10 @@ void adamw_master(float *restrict x, const float *restrict grad, float *restrict
     }
 }
 
+void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w, int64_t n, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, adamw_master_range(x + lo, grad + lo, ms + lo, vs + lo, w ? w + lo : NULL, hi - lo, c);)
+}
+
 #define RBLOCK 512
 static int64_t first_at_least(const int64_t *t, int64_t n, int64_t key) {
     int64_t lo = 0, hi = n;
@@ -314,7 +366,7 @@ static int64_t first_at_least(const int64_t *t, int64_t n, int64_t key) {
    combined from (w, r, its ascending side table), stepped, and split back; the new table's entries
    of this range go to found (at most cap; the call stops before a block that might not fit there).
    Returns the elements done, n unless found filled up. */
-int64_t adamw_remainder(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad, float *restrict ms,
+static int64_t adamw_remainder_range(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad, float *restrict ms,
                         float *restrict vs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
                         int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const float *restrict c) {
     const int l2 = c[1] != 0.0f;
@@ -350,5 +402,15 @@ int64_t adamw_remainder(uint16_t *restrict w, int16_t *restrict r, const uint16_
     }
     *nfound = k;
     return lo < n ? lo : n;
+}
+
+/* adamw_remainder_range over elements [first, first + n) of one tensor in `threads` ranges: range t's entries go to
+   found + t * cap (nfound[t] of them), done[t] its elements done (less than its length if found
+   filled up: the caller goes on from there). */
+void adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
+                     const int64_t *table, int64_t ntable, int64_t *found, int64_t cap, int64_t *nfound, int64_t *done,
+                     const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, done[t_] = adamw_remainder_range(w + lo, r + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo,
+                                                        table, ntable, found + t_ * cap, cap, nfound + t_, c);)
 }
 """

@@ -86,8 +86,7 @@ def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, t
     if lib is not None and isinstance(index, int) and src.device.type == "cpu":
         k = native.u64(counter_bits.key(seed, step, tensor, stream))
         shift = ctypes.c_int(48 if stream % 2 else 16)
-        native.run(lib.round_bf16, n, lambda fn, lo, hi: fn(native.ptr(run, lo), native.ptr(out, lo), ctypes.c_int64(hi - lo),
-                                                          ctypes.c_int64(index + lo), k, shift))
+        lib.round_bf16(native.ptr(run), native.ptr(out), ctypes.c_int64(n), ctypes.c_int64(index), k, shift, native.threads(n))
     else:
         index = index.reshape(-1).to(src.device) if torch.is_tensor(index) else index
         bits = run.view(torch.int32)

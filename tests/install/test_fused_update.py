@@ -3,7 +3,10 @@ non-contiguous and empty tensors, skipped steps, resumes, shards, threads), the 
 follows torch's AdamW, a machine without a compiler gets the same numbers, and the
 compiled path that CUDA takes (forced here on CPU) gives them too."""
 import copy
+import ctypes
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -221,12 +224,44 @@ def test_no_compiler_logs_one_line_and_gives_the_same_numbers(lib, monkeypatch, 
 
 def test_the_build_is_cached(lib, monkeypatch, tmp_path):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    import shutil
     compiler = shutil.which("cc") or shutil.which("gcc")
-    path = native._build(compiler)
-    stamp = (tmp_path / "kernels").stat().st_mtime_ns, __import__("os").stat(path).st_mtime_ns
-    assert native._build(compiler) == path
-    assert ((tmp_path / "kernels").stat().st_mtime_ns, __import__("os").stat(path).st_mtime_ns) == stamp
+    path = native._build_threaded(compiler)
+    stamp = (tmp_path / "kernels").stat().st_mtime_ns, os.stat(path).st_mtime_ns
+    assert native._build_threaded(compiler) == path
+    assert ((tmp_path / "kernels").stat().st_mtime_ns, os.stat(path).st_mtime_ns) == stamp
+
+
+def _libgomps() -> set:
+    with open("/proc/self/maps") as f:
+        return {line.split()[-1] for line in f if "libgomp" in line.split()[-1]}
+
+
+@pytest.mark.skipif(not _libgomps(), reason="torch runs on another OpenMP runtime than GNU's here")
+def test_the_kernels_run_on_torchs_openmp_runtime(lib):
+    """The kernels need the libgomp.so.1 torch loaded, not a second copy with its own threads."""
+    before = _libgomps()
+    library = native._build_threaded(shutil.which("cc") or shutil.which("gcc"))
+    ctypes.CDLL(library)
+    assert _libgomps() == before and len(before) == 1
+    with open(library, "rb") as f:
+        assert b"libgomp.so.1" in f.read()  # linked to it (built with OpenMP here)
+
+
+def test_a_compiler_without_openmp_builds_kernels_on_one_thread(monkeypatch, caplog, tmp_path):
+    """An OpenMP flag the compiler rejects: one log line, kernels without it, the same numbers."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "OPENMP", "-fno-such-openmp-flag")
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        single = native.library()
+    assert single is not None
+    assert [r for r in caplog.records if "run on one thread" in r.getMessage()]
+    n = 2 * native.MIN_PER_THREAD + 3
+    ref = tensors(n, torch.bfloat16)
+    got = [t.clone() for t in ref]
+    step_(*ref, HYPERS[0], 1, 1, 1, 0, lib=None)
+    step_(*got, HYPERS[0], 1, 1, 1, 0, lib=single)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ref, got))
 
 
 def test_ineligible_optimizers_and_settings_take_the_optimizer_step():
