@@ -15,6 +15,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NUMERICS = (
     "core/test_blockquant.py", "core/test_casting.py", "core/test_compiled_update.py", "core/test_fused_adamw_8bit.py",
     "core/test_fused_masters.py", "core/test_ieee.py", "core/test_remainder.py", "core/test_rounding.py",
+    "core/test_scaler.py",
     "install/test_apex_lists.py", "install/test_copies.py", "install/test_dropped_batches.py",
     "install/test_float8.py", "install/test_fused_update.py", "install/test_fused_update_8bit.py",
     "install/test_grad_kinds.py", "install/test_master_weights.py", "install/test_multi_loss.py",

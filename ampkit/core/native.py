@@ -291,6 +291,7 @@ def library() -> Optional[ctypes.CDLL]:
             for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state", "adamw_8bit", "adamw_master",
                          "adamw_remainder"):
                 getattr(lib, name).restype = None
+            lib.any_nonfinite.restype = ctypes.c_int
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             logger.warning("ampkit: fused CPU kernels unavailable (%s%s); using the eager path (same numbers, slower).",
@@ -412,5 +413,32 @@ void adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, f
                      const float *c, int threads) {
     EACH_RANGE(n, lo, hi, done[t_] = adamw_remainder_range(w + lo, r + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo,
                                                         table, ntable, found + t_ * cap, cap, nfound + t_, c);)
+}
+"""
+
+
+# -- the gradient check without unscaling (core/scaler.py): one read, for a loss scale of 1 ---------
+SOURCE += r"""
+/* Whether any of n elements of 2 or 4 bytes has its exponent bits exp all set (inf or NaN). */
+static uint32_t nonfinite16(const uint16_t *restrict x, int64_t n, uint16_t exp) {
+    uint32_t any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (x[i] & exp) == exp;
+    return any;
+}
+static uint32_t nonfinite32(const uint32_t *restrict x, int64_t n, uint32_t exp) {
+    uint32_t any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (x[i] & exp) == exp;
+    return any;
+}
+
+int any_nonfinite(const void *x, int64_t n, int bytes, uint32_t exp, int threads) {
+    uint32_t any = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(| : any)
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        any |= bytes == 2 ? nonfinite16((const uint16_t *)x + lo, hi - lo, (uint16_t)exp)
+                          : nonfinite32((const uint32_t *)x + lo, hi - lo, exp);
+    }
+    return any != 0;
 }
 """

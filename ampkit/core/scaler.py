@@ -4,12 +4,14 @@ A :class:`LossScaler` is a small state machine over Python numbers (no tensors):
 decision whether gradients overflowed is made elsewhere, in one fused check with one
 host synchronisation, and handed to :meth:`LossScaler.update`.
 """
+import ctypes
 import math
 import sys
 from typing import Optional
 
 import torch
 
+from . import native
 from .levels import FLOAT32_RANGE, FLT_MAX, FLT_TINY, positive_finite
 
 __all__ = ["LossScaler", "copy_unscale_and_check_", "unscale_and_check_"]
@@ -178,8 +180,29 @@ def unscale_and_check_(grads, inv_scale: float, found_inf: dict) -> None:
     for g in map(_checkable, _local_shards(grads)):
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), group in groups.items():
-        inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, _flag(found_inf, device), inv)
+        if inv_scale == 1.0 and device.type == "cpu":
+            group = _check_without_unscaling(group, _flag(found_inf, device))
+        if group:
+            inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, _flag(found_inf, device), inv)
+
+
+EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}  # all ones: inf or NaN
+
+
+def _check_without_unscaling(group: list, flag: torch.Tensor) -> list:
+    """Flag the non-finite values of the large contiguous CPU tensors of ``group`` with one
+    read each (the C kernel: unscaling by 1 would write them back unchanged); returns the
+    tensors left to the unscaling kernel (all of them without the C kernels)."""
+    lib = native.library()
+    if lib is None or group[0].dtype not in EXPONENT:
+        return group
+    exp, size = ctypes.c_uint32(EXPONENT[group[0].dtype]), ctypes.c_int(group[0].element_size())
+    read = [g for g in group if g.is_contiguous() and g.numel() >= native.MIN_PER_THREAD]
+    if any(lib.any_nonfinite(native.ptr(g), ctypes.c_int64(g.numel()), size, exp, native.threads(g.numel()))
+           for g in read):
+        flag.fill_(1.0)
+    return [g for g in group if not (g.is_contiguous() and g.numel() >= native.MIN_PER_THREAD)]
 
 
 def copy_unscale_and_check_(dst, src, inv_scale: float, found_inf: dict) -> None:

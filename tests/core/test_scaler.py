@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ampkit.core import scaler
+from ampkit.core import native, scaler
 from ampkit.core.scaler import LossScaler, copy_unscale_and_check_, unscale_and_check_
 
 
@@ -77,6 +77,53 @@ def test_unscale_and_check_(dtype):
     grads.append(torch.tensor([1.0, float("nan")], dtype=dtype))
     unscale_and_check_(grads, 1.0, found)
     assert found[torch.device("cpu")].item() == 1.0
+
+
+SPECIALS = {torch.float32: [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF],  # +-inf, NaNs
+            torch.float16: [0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF],
+            torch.bfloat16: [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF]}
+EDGES = {torch.float32: [0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000000],  # +-max, a subnormal, -0
+         torch.float16: [0x7BFF, 0xFBFF, 0x0001, 0x8000], torch.bfloat16: [0x7F7F, 0xFF7F, 0x0001, 0x8000]}
+
+
+def _bits(t):
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_scale_of_one_checks_without_writing_and_flags_every_special_anywhere(lib, dtype):
+    """Unscaling by 1 reads the large tensors with the C kernel (1 or 2 threads): a finite edge
+    value never flags, any inf or NaN at the start, the middle or the end does, and no bit of
+    any gradient changes; small and strided ones still take torch's kernel."""
+    n = 2 * native.MIN_PER_THREAD + 5
+    base = (torch.randn(n) * 1e3).to(dtype)
+    _bits(base)[:4] = torch.tensor(EDGES[dtype]).to(_bits(base).dtype)
+    small, strided = torch.ones(9, dtype=dtype), torch.ones(n, 2, dtype=dtype)[:, 0]
+    left = scaler._check_without_unscaling([base, small, strided], torch.zeros(1))
+    assert [id(t) for t in left] == [id(small), id(strided)]  # the large contiguous one was read by the kernel
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            grads = [base.clone(), small, strided]
+            found = {}
+            unscale_and_check_(grads, 1.0, found)
+            assert found[torch.device("cpu")].item() == 0.0 and torch.equal(_bits(grads[0]), _bits(base))
+            for special in SPECIALS[dtype]:
+                for at in (0, n // 2 + 1, n - 1):
+                    g = base.clone()
+                    _bits(g)[at] = torch.tensor(special).to(_bits(g).dtype)
+                    before, found = _bits(g).clone(), {}
+                    unscale_and_check_([g, small], 1.0, found)
+                    assert found[torch.device("cpu")].item() == 1.0, (hex(special), at, count)
+                    assert torch.equal(_bits(g), before)
+            for g in (small, strided):  # left to torch's kernel, which flags them too
+                g[3], found = float("nan"), {}
+                unscale_and_check_([base.clone(), g], 1.0, found)
+                assert found[torch.device("cpu")].item() == 1.0
+                g[3] = 1.0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _half_grads(dtype):
