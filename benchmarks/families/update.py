@@ -40,6 +40,7 @@ import ampkit
 from ampkit.install import fused_update
 
 from common import _sync, table, timed
+from families.update_profile import COLUMNS, SMALL, profile
 
 # name: (level, initialize overrides, fused AdamW on, ideal bytes, moved bytes (counted) or None)
 VARIANTS = {
@@ -164,7 +165,9 @@ def bench_update(cfg: dict, device, threads: int, log) -> dict:
         rows.append({"variant": name, "ms": 1e3 * t, "least_ms": 1e3 * min(times[name]), "ideal_bytes": ideal,
                      "moved_bytes": moved, "gbps": ideal * n / t / 1e9, "vs_O5": t / o5,
                      "bound_ms": 1e3 * bound, "vs_bound": t / bound})
-    return {"params": n, "steps": steps, "threads": threads, "stream_gbps": gbps, "copy_gbps": copy_gbps, "device": str(device), "rows": rows}
+    prof = profile(n, log) if device.type == "cpu" else {}
+    return {"params": n, "steps": steps, "threads": threads, "stream_gbps": gbps, "copy_gbps": copy_gbps,
+            "device": str(device), "rows": rows, "profile": prof}
 
 
 def run(cfg, device, args, log) -> dict:
@@ -178,7 +181,10 @@ def report(result: dict) -> list:
     return [head, table(result["rows"], [
         ("variant", "variant", "{}"), ("ms", "ms", "{:.2f}"), ("least ms", "least_ms", "{:.2f}"),
         ("ideal B", "ideal_bytes", "{}"), ("moved B", "moved_bytes", "{}"), ("GB/s", "gbps", "{:.2f}"),
-        ("vs O5", "vs_O5", "{:.3f}x"), ("bound ms", "bound_ms", "{:.2f}"), ("vs bound", "vs_bound", "{:.2f}x")])]
+        ("vs O5", "vs_O5", "{:.3f}x"), ("bound ms", "bound_ms", "{:.2f}"), ("vs bound", "vs_bound", "{:.2f}x")])] + (
+        [f"\nProfile: each fused kernel called alone on one thread, ns per element: in the caches ({SMALL} elements: "
+         f"the arithmetic) and streaming ({result['params']}); bound: ideal bytes at {result['profile']['gbps']:.1f} GB/s "
+         f"(one thread, in-place add_)", table(result["profile"]["rows"], COLUMNS)] if result.get("profile") else [])
 
 
 def targets(result: dict) -> list:
