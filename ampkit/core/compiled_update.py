@@ -57,14 +57,17 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def _draws16(key: torch.Tensor, index: torch.Tensor, shift: int) -> torch.Tensor:
-    """``counter_bits.draws16``: a uniform 16-bit integer (int32) per element of ``index``,
-    ``key`` an int64 0-dim tensor, ``shift`` 16 (even streams) or 48 (odd)."""
+def _word(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``counter_bits.words``: the int64 word of each element of ``index`` (``key`` an int64 0-dim tensor)."""
     z = (index + 1) * counter_bits._signed(GAMMA) + key
     z = (z ^ _shr(z, 30)) * counter_bits._signed(M1)
     z = (z ^ _shr(z, 27)) * counter_bits._signed(M2)
-    z = z ^ _shr(z, 31)
-    return (_shr(z, shift) & 0xFFFF).to(torch.int32)
+    return z ^ _shr(z, 31)
+
+
+def _draws16(word: torch.Tensor, stream: int) -> torch.Tensor:
+    """``counter_bits.draws16`` of ``stream`` (0-3) from the elements' words: an int32 in ``[0, 2**16)``."""
+    return (_shr(word, 16 * stream) & 0xFFFF if stream else word & 0xFFFF).to(torch.int32)
 
 
 def _round(x: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -74,7 +77,7 @@ def _round(x: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
 def _update(w, grad, m, v, c, keys, index) -> None:
     """The whole step of flat ``w`` in place (``step_eager``'s operations in its order);
-    ``c``: ``Hyper.consts()`` as float32, ``keys``: int64 keys of streams 0 and 2."""
+    ``c``: ``Hyper.consts()`` as float32, ``keys``: the int64 key of word 0 (streams 0-2), the first index."""
     g = grad.float() * c[9]
     p = w.float()
     g = torch.where(c[1] != 0, g + p * c[1], g)  # the reference skips the L2 term when l2 == 0
@@ -83,18 +86,19 @@ def _update(w, grad, m, v, c, keys, index) -> None:
     v32 = v.float() * c[4] + (g * g) * c[5]
     denom = torch.sqrt(v32) / c[6] + c[7]
     p = p - (m32 / denom) * c[8]
-    w.copy_(_round(p, _draws16(keys[0], index, 16)))
+    word = _word(keys[0], index)
+    w.copy_(_round(p, _draws16(word, 0)))
     if m.dtype == torch.bfloat16:
-        m.copy_(_round(m32, _draws16(keys[0], index, 48)))
-        v.copy_(_round(v32, _draws16(keys[1], index, 16)))
+        m.copy_(_round(m32, _draws16(word, 1)))
+        v.copy_(_round(v32, _draws16(word, 2)))
     else:
         m.copy_(m32)
         v.copy_(v32)
 
 
 def _update_run(w, grad, m, v, c, keys):
-    """:func:`_update` of the run of elements from ``keys[2]``."""
-    _update(w, grad, m, v, c, keys, torch.arange(w.numel(), dtype=torch.int64, device=w.device) + keys[2])
+    """:func:`_update` of the run of elements from ``keys[1]``."""
+    _update(w, grad, m, v, c, keys, torch.arange(w.numel(), dtype=torch.int64, device=w.device) + keys[1])
 
 
 def _update_indexed(w, grad, m, v, c, keys, index):
@@ -124,12 +128,12 @@ def available(device: torch.device) -> bool:
 
 def step_compiled(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
     """:func:`fused_adamw.step_eager` of flat contiguous tensors on one device in one compiled kernel."""
-    keys = [counter_bits._signed(counter_bits.key(seed, step, tensor, s)) for s in (0, 2)]
+    keys = [counter_bits._signed(counter_bits.key(seed, step, tensor, 0))]
     packed = torch.tensor(keys + [index if isinstance(index, int) else 0], dtype=torch.int64)
     packed = torch.cat([packed, torch.tensor(hyper.consts(), dtype=torch.float32).view(torch.int64)])
     packed = packed.to(w.device)  # one host-to-device copy
-    c = packed[3:].view(torch.float32)
-    args = [t.detach() for t in (w, grad, m, v)] + [c, packed[:3]]  # plain tensors, no autograd: fewer guards
+    c = packed[2:].view(torch.float32)
+    args = [t.detach() for t in (w, grad, m, v)] + [c, packed[:2]]  # plain tensors, no autograd: fewer guards
     with torch.no_grad():
         if isinstance(index, int) and not (w.device.type == "cpu" and _scalar_cpp()):
             _compiled(False)(*args)

@@ -14,13 +14,17 @@ generators", OOPSLA 2014) read as a counter-based generator: the 64-bit word of 
 constant, ``mix64`` Stafford's "variant 13" finalizer, a bijection whose output bits each
 depend on every input bit). Successive ``i`` walk one Weyl sequence, the SplitMix64
 generator, which passes TestU01's BigCrush; the key, a chain of ``mix64`` over ``(seed,
-step, tensor, stream // 2)``, places each run of elements at a pseudo-random point of that
+step, tensor, word)``, places each run of elements at a pseudo-random point of that
 sequence of period 2**64. Two runs overlap (one repeats the other's words, shifted) with
 probability about ``(len_a + len_b) / 2**64``: a training run of ``T`` draws in runs of
 ``L`` elements has about ``T**2 / (L 2**64)`` overlapping pairs (0.05 for 1000 steps of
 10**9 elements in runs of 10**6; 500 for 10**5 steps), each pairing the rounding decisions
-of two runs of elements (a weak, local dependence, not a bias). Stream ``s`` reads the low
-(``s`` even) or high 32 bits of the word of key stream ``s // 2``.
+of two runs of elements (a weak, local dependence, not a bias).
+
+A word serves several streams: 32-bit draws (:func:`bits32`) of stream ``s`` are half
+``s % 2`` (low, high) of word ``s // 2``; 16-bit draws (:func:`draws16`, bfloat16's
+stochastic rounding) are quarter ``s % 4`` (bits ``16 (s % 4)`` up) of word ``s // 4``, so
+O7's weight and two bfloat16 moments (streams 0, 1, 2) cost one hash per element.
 
 In torch, ``int64`` multiplication and addition wrap modulo 2**64 (two's complement), as the
 unsigned arithmetic of the definition does; right shifts are arithmetic, so each is
@@ -31,7 +35,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["GAMMA", "mix64", "key", "words", "bits32", "draws16"]
+__all__ = ["GAMMA", "mix64", "key", "words", "bits32", "draws16", "shift16"]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -52,10 +56,10 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def key(seed: int, step: int, tensor: int, stream: int) -> int:
-    """The 64-bit key (unsigned) of the words that stream ``stream`` of ``tensor`` uses at ``step``."""
+def key(seed: int, step: int, tensor: int, word: int) -> int:
+    """The 64-bit key (unsigned) of word stream ``word`` of ``tensor`` at ``step``."""
     k = mix64(seed + GAMMA)
-    for field in (step, tensor, stream // 2):
+    for field in (step, tensor, word):
         k = mix64((k ^ field) + GAMMA)
     return k
 
@@ -78,12 +82,20 @@ def words(k: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
 
 def bits32(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
     """32 uniform random bits per element (as int64 in ``[0, 2**32)``) of ``stream``: for the
-    elements ``index`` (int64 tensor) or the run of ``n`` from ``index`` (int)."""
-    z = words(key(seed, step, tensor, stream), index, n, device)
+    elements ``index`` (int64 tensor) or the run of ``n`` from ``index`` (int): half ``stream
+    % 2`` of word ``stream // 2``."""
+    z = words(key(seed, step, tensor, stream // 2), index, n, device)
     return (_shr(z, 32) if stream % 2 else z.bitwise_and_(0xFFFFFFFF))
 
 
 def draws16(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
-    """Uniform 16-bit integers (int32, ``[0, 2**16)``): the high half of :func:`bits32`."""
-    z = words(key(seed, step, tensor, stream), index, n, device)
-    return _shr(z, 48 if stream % 2 else 16).bitwise_and_(0xFFFF).to(torch.int32)
+    """Uniform 16-bit integers (int32, ``[0, 2**16)``): quarter ``stream % 4`` (bits
+    :func:`shift16` up) of word ``stream // 4``."""
+    z = words(key(seed, step, tensor, stream // 4), index, n, device)
+    return _shr(z, shift16(stream)).bitwise_and_(0xFFFF).to(torch.int32) if stream % 4 else \
+        z.bitwise_and_(0xFFFF).to(torch.int32)
+
+
+def shift16(stream: int) -> int:
+    """Where the 16-bit draws of ``stream`` start in their word."""
+    return 16 * (stream % 4)

@@ -10,7 +10,8 @@ The arithmetic (float32, every operation rounded once, in this order)::
     w = w - (m / (sqrt(v) / sqrt(1 - beta2**t) + eps)) * lr / (1 - beta1**t)
 
 then ``w`` is rounded to bfloat16 stochastically with the counter bits of stream 0, and
-bfloat16 state with those of streams 1 (``m``) and 2 (``v``). The constants are computed in
+bfloat16 state with those of streams 1 (``m``) and 2 (``v``): three quarters of one word
+per element. The constants are computed in
 double, as ``torch.optim.AdamW`` computes them, and rounded once to float32. This is
 torch's AdamW up to the order of rounding (torch's CPU kernels fuse some of these
 operations, differently in their vector and scalar loops), so results agree with it to the
@@ -82,10 +83,9 @@ def step_native(lib, w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: 
     """:func:`step_eager` in one pass of the C kernel (contiguous CPU tensors, ``first`` an int)."""
     n = w.numel()
     consts = (ctypes.c_float * 10)(*hyper.consts())
-    keys = [native.u64(counter_bits.key(seed, step, tensor, s)) for s in (0, 2)]
     fn = lib.adamw_bf16_state if m.dtype == torch.bfloat16 else lib.adamw_fp32_state
-    fn(*(native.ptr(t) for t in (w, grad, m, v)), ctypes.c_int64(n), ctypes.c_int64(first), *keys, consts,
-       native.threads(n))
+    fn(*(native.ptr(t) for t in (w, grad, m, v)), ctypes.c_int64(n), ctypes.c_int64(first),
+       native.u64(counter_bits.key(seed, step, tensor, 0)), consts, native.threads(n))
 
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index,

@@ -83,8 +83,8 @@ void round_bf16(const float *src, uint16_t *dst, int64_t n, int64_t first, uint6
         float v = LOAD_V * c[4] + (g * g) * c[5];                                   \
         float denom = sqrtf(v) / c[6] + c[7];                                       \
         p = p - (m / denom) * c[8];                                                 \
-        uint64_t a = word(key0, first + i);                                         \
-        w[i] = narrow(p, (a >> 16) & 0xFFFF);                                       \
+        uint64_t a = word(key0, first + i);  /* quarters: w, m, v (counter_bits) */  \
+        w[i] = narrow(p, a & 0xFFFF);                                               \
         STORE_M; STORE_V;                                                           \
     }
 
@@ -94,20 +94,18 @@ static void adamw_fp32_range(uint16_t *w, const uint16_t *grad, float *ms, float
 }
 
 static void adamw_bf16_range(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
-                             uint64_t key0, uint64_t key1, const float *c) {
-    ADAMW_BODY(widen(ms[i]), widen(vs[i]), ms[i] = narrow(m, a >> 48),
-               vs[i] = narrow(v, (word(key1, first + i) >> 16) & 0xFFFF))
+                             uint64_t key0, const float *c) {
+    ADAMW_BODY(widen(ms[i]), widen(vs[i]), ms[i] = narrow(m, (a >> 16) & 0xFFFF), vs[i] = narrow(v, (a >> 32) & 0xFFFF))
 }
 
 void adamw_fp32_state(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
-                      uint64_t key0, uint64_t key1, const float *c, int threads) {
-    (void)key1;
+                      uint64_t key0, const float *c, int threads) {
     EACH_RANGE(n, lo, hi, adamw_fp32_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, c);)
 }
 
 void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
-                      uint64_t key0, uint64_t key1, const float *c, int threads) {
-    EACH_RANGE(n, lo, hi, adamw_bf16_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, key1, c);)
+                      uint64_t key0, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, adamw_bf16_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, c);)
 }
 
 /* ---- O8: AdamW / Adam on bf16 weights with 8-bit state (core/fused_adamw_8bit.py) ----
@@ -166,8 +164,8 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         float denom = r / c6 + c7;
         p = p - (m / denom) * c8;
         nbad += !isfinite(p);
-        uint64_t a = word(key0, first + j);  /* stream 0: bits 16..31, stream 1 (m): 32..55 */
-        w[j] = narrow(p, (a >> 16) & 0xFFFF);
+        uint64_t a = word(key0, first + j);  /* stream 0 (16-bit): bits 0..15, stream 1 (m, 32-bit): 32..55 */
+        w[j] = narrow(p, a & 0xFFFF);
         mb[j] = m; rb[j] = r; db[j] = (float)(int32_t)((a >> 32) & 0xFFFFFF);
     }
     const float sv = q8_scale(q8_absmax(rb, k, top), 1, 0.90625f);

@@ -84,8 +84,8 @@ def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, t
     run = src.reshape(-1)
     out = dst.view(-1) if dst.is_contiguous() else torch.empty(n, dtype=torch.bfloat16, device=dst.device)
     if lib is not None and isinstance(index, int) and src.device.type == "cpu":
-        k = native.u64(counter_bits.key(seed, step, tensor, stream))
-        shift = ctypes.c_int(48 if stream % 2 else 16)
+        k = native.u64(counter_bits.key(seed, step, tensor, stream // 4))
+        shift = ctypes.c_int(counter_bits.shift16(stream))
         lib.round_bf16(native.ptr(run), native.ptr(out), ctypes.c_int64(n), ctypes.c_int64(index), k, shift, native.threads(n))
     else:
         index = index.reshape(-1).to(src.device) if torch.is_tensor(index) else index

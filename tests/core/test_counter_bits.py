@@ -29,17 +29,23 @@ def uniforms(seed, step, tensor, stream, n, first=0) -> torch.Tensor:
     return cb.bits32(seed, step, tensor, stream, first, n).double() / 2**32
 
 
+def uniforms16(seed, step, tensor, stream, n) -> torch.Tensor:
+    return (cb.draws16(seed, step, tensor, stream, 0, n).double() + 0.5) / 2**16
+
+
 def test_words_are_splitmix64_of_the_keyed_counter():
     """The torch kernel (int64, wrapping) against Python's unbounded integers, across the sign
     bit and at indices past 2**32."""
-    for seed, step, tensor, stream in [(0, 0, 0, 0), (2**63 - 1, 10**9, 5, 3), (7, 1, 2**20, 1)]:
-        k = cb.key(seed, step, tensor, stream)
+    for seed, step, tensor, stream in [(0, 0, 0, 0), (2**63 - 1, 10**9, 5, 3), (7, 1, 2**20, 1), (7, 1, 3, 6)]:
+        k = cb.key(seed, step, tensor, stream // 2)
         for first in (0, 2**32 - 3, 2**45):
             got = cb.words(k, first, 6).tolist()
             assert [w % 2**64 for w in got] == [cb.mix64(k + (i + 1) * cb.GAMMA) for i in range(first, first + 6)]
         want = [cb.mix64(k + (i + 1) * cb.GAMMA) >> (32 if stream % 2 else 0) & 0xFFFFFFFF for i in range(4)]
         assert cb.bits32(seed, step, tensor, stream, 0, 4).tolist() == want
-        assert cb.draws16(seed, step, tensor, stream, torch.tensor([2, 0])).tolist() == [want[2] >> 16, want[0] >> 16]
+        k16 = cb.key(seed, step, tensor, stream // 4)  # 16-bit draws: quarter stream % 4 of word stream // 4
+        want16 = [cb.mix64(k16 + (i + 1) * cb.GAMMA) >> (16 * (stream % 4)) & 0xFFFF for i in range(3)]
+        assert cb.draws16(seed, step, tensor, stream, torch.tensor([2, 0])).tolist() == [want16[2], want16[0]]
 
 
 def test_each_input_changes_the_bits():
@@ -105,6 +111,14 @@ def test_no_correlation(pair):
         "neighbouring seeds": uniforms(4, 5, 2, 1, n),
     }[pair]
     assert abs(correlation(base, other)) < CORR_LIMIT
+
+
+@pytest.mark.parametrize("streams", [(0, 1), (0, 2), (1, 2), (0, 4), (3, 4)])
+def test_no_correlation_between_the_quarters_of_a_word(streams):
+    """The 16-bit draws of O7's weight and bfloat16 moments (streams 0, 1, 2) are quarters of one
+    word per element: pairwise uncorrelated as the 32-bit streams above (and across words)."""
+    a, b = (uniforms16(3, 5, 2, s, N_CORR) for s in streams)
+    assert abs(correlation(a, b)) < CORR_LIMIT
 
 
 def test_the_correlation_test_finds_a_correlation_of_rho():
