@@ -37,7 +37,7 @@ VARIANTS = {  # name: (level, overrides)
     "O7 bf16 state": ("O7", {"optimizer_state_dtype": torch.bfloat16}),
     "O8": ("O8", {}),
 }
-TARGETS = {"remainder": 1.00, "O7": 1.00, "O7 bf16 state": 1.05, "O8": 1.3}
+TARGETS = {"remainder": 1.00, "O7": 0.98, "O7 bf16 state": 1.00, "O8": 1.05}  # the update issue's (step vs O5)
 # Fewest bytes per parameter one AdamW step moves (read + written), each tensor touched once:
 # O5: bf16 grad in, fp32 master and two fp32 moments read and written, bf16 weight out.
 # remainder: bf16 weight, int16 remainder, bf16 grad in; weight and remainder out; fp32 moments.
