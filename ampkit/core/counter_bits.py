@@ -91,9 +91,8 @@ def bits32(seed: int, step: int, tensor: int, stream: int, index: Index, n: int 
 def draws16(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
     """Uniform 16-bit integers (int32, ``[0, 2**16)``): quarter ``stream % 4`` (bits
     :func:`shift16` up) of word ``stream // 4``."""
-    z = words(key(seed, step, tensor, stream // 4), index, n, device)
-    return _shr(z, shift16(stream)).bitwise_and_(0xFFFF).to(torch.int32) if stream % 4 else \
-        z.bitwise_and_(0xFFFF).to(torch.int32)
+    z, shift = words(key(seed, step, tensor, stream // 4), index, n, device), shift16(stream)
+    return (_shr(z, shift) if shift else z).bitwise_and_(0xFFFF).to(torch.int32)
 
 
 def shift16(stream: int) -> int:
