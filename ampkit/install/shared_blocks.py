@@ -22,6 +22,7 @@ from typing import List, Tuple
 import torch
 
 from ..core.blockquant import num_blocks
+from .overflow import collective_device
 from .shards import block_index, is_dtensor
 
 __all__ = ["block_first", "split_blocks", "share_block_maxima_"]
@@ -71,11 +72,10 @@ def share_block_maxima_(absmax: torch.Tensor, items: List[Tuple[torch.Tensor, in
 
 
 def _all_reduce_max_(t: torch.Tensor, group) -> None:
-    """``all_reduce(MAX)`` of ``t`` over ``group``; through the GPU when ``t`` is on the host
-    (CPU offload) and the group is NCCL's alone."""
-    dist, on = torch.distributed, t
-    if t.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
-        on = t.to(torch.device("cuda", torch.cuda.current_device()))
+    """``all_reduce(MAX)`` of ``t`` over ``group``, on :func:`collective_device` (through the
+    accelerator when ``t`` is on the host, CPU offload, and the group is NCCL's alone)."""
+    dist = torch.distributed
+    on = t.to(collective_device(t.device, group))
     dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
     if on is not t:
         t.copy_(on)

@@ -80,6 +80,7 @@ def test_shards_cut_anywhere_pack_as_the_whole_parameter(monkeypatch, cuts):
     monkeypatch.setattr(shared_blocks, "_plan", lambda t: plans.get(id(t)))
     monkeypatch.setattr(shared_blocks, "_group", lambda t: ranks)
     monkeypatch.setattr(torch.distributed, "all_reduce", ranks.all_reduce)
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "cpu:gloo")  # the threads' group
     monkeypatch.setattr(state_8bit, "global_index", lambda p: plans[id(p)][0] if id(p) in plans else 0)
     real = state_8bit._shared_absmax
     monkeypatch.setattr(state_8bit, "_shared_absmax", lambda *a: real(*a) if share else None)
