@@ -15,8 +15,8 @@ from ampkit.core.registry import current as current_run
 from ampkit.core.rounding import StochasticRounder, round_counter_
 from ampkit.install import fused_update_8bit, state_8bit, transient_update
 from tests.install.test_fused_update import ADAMS, batches, make_model, train
-from tests.install.test_state_8bit import (_dot_model, adam_constant, adam_state_bound,
-                                           assert_state_within_bounds, raw_state, train_on)
+from tests.install.test_state_8bit import (_dot_model, adam_constant, adam_state_bound, assert_state_within_bounds,
+                                           one_large_gradient_per_block, raw_state, train_on)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -206,11 +206,9 @@ def test_the_adam_bound_holds_per_element_on_the_fused_path(lib, case):
     decades that change every step (the cap binds). Each weight moves at most exact Adam's
     largest step, ``lr * 7.27``, plus the stochastic rounding to bfloat16 (under one bf16
     step of the larger of the two weights); the stored state stays within its cap."""
-    n, lr, wd = 4 * 256 + 40, 1e-3, 0.01
-    x = torch.full((n,), 1e-6)
-    x[::256] = 1.0
-    model = _dot_model(n)
-    model, opt = ampkit.initialize(model, torch.optim.AdamW([model.w], lr=lr, weight_decay=wd), opt_level="O8", verbosity=0)
+    lr, wd = 1e-3, 0.01
+    model, opt, x = one_large_gradient_per_block(lr=lr, weight_decay=wd)
+    n = x.numel()
     calls = calls_of_own_step(opt)
     for t in range(60):
         before = model.w.detach().double()
