@@ -25,7 +25,7 @@ from ..core.blockquant import num_blocks
 from .overflow import collective_device
 from .shards import block_index, is_dtensor
 
-__all__ = ["block_first", "split_blocks", "share_block_maxima_"]
+__all__ = ["block_first", "split_blocks", "share_block_maxima_", "whole_blocks"]
 
 
 def block_first(t: torch.Tensor) -> int:
@@ -40,6 +40,17 @@ def split_blocks(t: torch.Tensor, block: int) -> Tuple[int, ...]:
     a part of (the same on every rank), in order; none for an unsharded or unlaid tensor."""
     plan = _plan(t)
     return () if plan is None else _split(plan[2], block)
+
+
+def whole_blocks(t: torch.Tensor, block: int) -> bool:
+    """Whether each block of ``t``'s full tensor lies in one part of it, so that every part's
+    block maxima are the full tensor's: a plain tensor, or a DTensor laid on its full tensor
+    with no block split (its non-empty parts, which tile the flat tensor in order, all start
+    on a block boundary). Read from every part's run, so the same on every rank."""
+    if not is_dtensor(t):
+        return True
+    plan = _plan(t)
+    return plan is not None and not _split(plan[2], block)
 
 
 def share_block_maxima_(absmax: torch.Tensor, items: List[Tuple[torch.Tensor, int]], block: int) -> None:
