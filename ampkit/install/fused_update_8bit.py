@@ -23,17 +23,18 @@ import torch
 from ..core import native
 from ..core.fused_adamw_8bit import BLOCK, backups, restore_, span, step_
 from . import fused_update, state_8bit
-from .shards import global_index, is_dtensor, like, local
+from .shards import global_index, like, local
+from .shared_blocks import whole_blocks
 
 KEYS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # the packed keys and their code dtypes
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether ``p`` steps here: ``fused_update.plain``, every rank's part starting on a block
-    boundary (the same answer on every rank: a block split between shards needs its maximum
-    over all of them, ``shared_blocks.py``, which the chunks' packing shares and the kernel
-    does not), and state (if any) as ``state_8bit`` packs Adam's."""
-    if not fused_update.plain(optimizer, group, p, grad) or not _on_block_boundaries(p):
+    """Whether ``p`` steps here: ``fused_update.plain``, no block of ``p``'s full tensor split
+    between ranks' parts (``shared_blocks.whole_blocks``, FSDP2's and HSDP's layouts; the same
+    answer on every rank: a split block needs its maximum over all of them, which the chunks'
+    packing shares and the kernel does not), and state (if any) as ``state_8bit`` packs Adam's."""
+    if not fused_update.plain(optimizer, group, p, grad) or not whole_blocks(p, BLOCK):
         return False
     first = global_index(p)
     state = optimizer.state.get(p)
@@ -45,17 +46,6 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
             and all(local(state[k + state_8bit.CODES]).dtype == dtype and local(state[k + state_8bit.CODES]).shape == q.shape
                     and state[k + state_8bit.SCALES].dtype == torch.float32
                     and state[k + state_8bit.SCALES].numel() == span(q.numel(), first) for k, dtype in KEYS.items()))
-
-
-def _on_block_boundaries(p: torch.Tensor) -> bool:
-    """Whether every rank's part of ``p`` starts on a multiple of :data:`BLOCK` (FSDP2's dim-0
-    shards: ``ceil(rows / world)`` rows each)."""
-    if not is_dtensor(p):
-        return True
-    if p.device_mesh.ndim != 1 or len(p.placements) != 1 or not p.placements[0].is_shard(0) or p.dim() == 0:
-        return False
-    world = p.device_mesh.size()
-    return world == 1 or -(-p.shape[0] // world) * (p.numel() // max(p.shape[0], 1)) % BLOCK == 0
 
 
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:

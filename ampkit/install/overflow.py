@@ -113,18 +113,29 @@ def _finite(grad: torch.Tensor) -> bool:
 
 
 def all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
-    """MAX-reduce ``flag`` over the default process group, so every rank skips together. A flag
-    on a device the group has no backend for (the CPU gradient shards of FSDP2's
-    ``CPUOffloadPolicy`` under NCCL alone) is reduced on the current accelerator: one element
-    there and back."""
+    """MAX-reduce ``flag`` over the default process group, so every rank skips together, on
+    :func:`collective_device` (one element to the accelerator and back for the CPU gradient
+    shards of FSDP2's ``CPUOffloadPolicy`` under NCCL alone)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        on = flag.device
-        if not has_backend(on.type, dist.get_backend_config()) and torch.accelerator.is_available():
-            on = torch.accelerator.current_accelerator()
-        flag = flag.to(on, copy=True)
+        flag = flag.to(collective_device(flag.device), copy=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag
+
+
+def collective_device(device: torch.device, group=None) -> torch.device:
+    """Where a collective over ``group`` (None: the default group) runs for a tensor on
+    ``device``: see :func:`device_for`, with the group's backend config and the current
+    accelerator."""
+    backends = torch.distributed.get_backend_config(group)
+    return device_for(device, backends, torch.accelerator.current_accelerator(check_available=True))
+
+
+def device_for(device: torch.device, backends: str, accelerator: Optional[torch.device]) -> torch.device:
+    """``device`` when a group whose backend config is ``backends`` reduces tensors there, else
+    ``accelerator`` (the current one; None when there is none, and then ``device``, whose
+    collective fails with torch's own error)."""
+    return device if has_backend(device.type, backends) or accelerator is None else accelerator
 
 
 def has_backend(device_type: str, backends: str) -> bool:

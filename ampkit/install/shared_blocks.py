@@ -22,9 +22,10 @@ from typing import List, Tuple
 import torch
 
 from ..core.blockquant import num_blocks
+from .overflow import collective_device
 from .shards import block_index, is_dtensor
 
-__all__ = ["block_first", "split_blocks", "share_block_maxima_"]
+__all__ = ["block_first", "split_blocks", "share_block_maxima_", "whole_blocks"]
 
 
 def block_first(t: torch.Tensor) -> int:
@@ -39,6 +40,17 @@ def split_blocks(t: torch.Tensor, block: int) -> Tuple[int, ...]:
     a part of (the same on every rank), in order; none for an unsharded or unlaid tensor."""
     plan = _plan(t)
     return () if plan is None else _split(plan[2], block)
+
+
+def whole_blocks(t: torch.Tensor, block: int) -> bool:
+    """Whether each block of ``t``'s full tensor lies in one part of it, so that every part's
+    block maxima are the full tensor's: a plain tensor, or a DTensor laid on its full tensor
+    with no block split (its non-empty parts, which tile the flat tensor in order, all start
+    on a block boundary). Read from every part's run, so the same on every rank."""
+    if not is_dtensor(t):
+        return True
+    plan = _plan(t)
+    return plan is not None and not _split(plan[2], block)
 
 
 def share_block_maxima_(absmax: torch.Tensor, items: List[Tuple[torch.Tensor, int]], block: int) -> None:
@@ -71,11 +83,10 @@ def share_block_maxima_(absmax: torch.Tensor, items: List[Tuple[torch.Tensor, in
 
 
 def _all_reduce_max_(t: torch.Tensor, group) -> None:
-    """``all_reduce(MAX)`` of ``t`` over ``group``; through the GPU when ``t`` is on the host
-    (CPU offload) and the group is NCCL's alone."""
-    dist, on = torch.distributed, t
-    if t.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
-        on = t.to(torch.device("cuda", torch.cuda.current_device()))
+    """``all_reduce(MAX)`` of ``t`` over ``group``, on :func:`collective_device` (through the
+    accelerator when ``t`` is on the host, CPU offload, and the group is NCCL's alone)."""
+    dist = torch.distributed
+    on = t.to(collective_device(t.device, group))
     dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
     if on is not t:
         t.copy_(on)

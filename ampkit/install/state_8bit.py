@@ -49,10 +49,10 @@ import torch
 
 from ..core import ieee
 from ..core.blockquant import block_absmax, counter_draws, dequantize, num_blocks, quantize_
+from ..core.fused_adamw_8bit import BLOCK
 from .shards import global_index, like, local
 from .shared_blocks import block_first, share_block_maxima_, split_blocks
 
-BLOCK = 256
 CODES, SCALES = ".codes", ".scales"
 SQRT_KEYS = frozenset({  # non-negative state, stored as the square root (a negative value reads back NaN)
     "exp_avg_sq", "max_exp_avg_sq",  # Adam, AdamW, NAdam, RAdam

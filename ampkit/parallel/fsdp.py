@@ -40,7 +40,7 @@ from ..core.casting import is_batchnorm
 from ..core.errors import NoEffectWarning
 from ..core.levels import HALF_DTYPES, REMAINDER
 from ..core.run import ROUNDING_KEY
-from ..install.overflow import has_backend
+from ..install.overflow import collective_device
 from ..install.shards import is_dtensor
 from . import reshard
 
@@ -140,14 +140,12 @@ def _broadcast_from_first_rank(model: nn.Module, mesh) -> None:
     with torch.no_grad():
         for group in groups:
             src = 0 if group is None else dist.get_global_rank(group, 0)
-            backends = dist.get_backend_config(group)
             for t in list(model.parameters()) + list(model.buffers()):
-                if has_backend(t.device.type, backends) or not torch.accelerator.is_available():
-                    dist.broadcast(t.data, src, group=group)
-                    continue
-                moved = t.data.to(torch.accelerator.current_accelerator())
-                dist.broadcast(moved, src, group=group)
-                t.data.copy_(moved)
+                data = t.data
+                on = data.to(collective_device(data.device, group))
+                dist.broadcast(on, src, group=group)
+                if on is not data:
+                    data.copy_(on)
 
 
 def plan(models, optimizers, props, fsdp, fsdp_kwargs, ddp, cast_model_outputs) -> Optional[Plan]:

@@ -15,8 +15,8 @@ from ampkit.core.registry import current as current_run
 from ampkit.core.rounding import StochasticRounder, round_counter_
 from ampkit.install import fused_update_8bit, state_8bit, transient_update
 from tests.install.test_fused_update import ADAMS, batches, make_model, train
-from tests.install.test_state_8bit import (_dot_model, adam_constant, adam_state_bound,
-                                           assert_state_within_bounds, raw_state, train_on)
+from tests.install.test_state_8bit import (_dot_model, adam_constant, adam_state_bound, assert_state_within_bounds,
+                                           one_large_gradient_per_block, raw_state, train_on)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def test_chunks_the_kernel_cannot_take_step_in_its_arithmetic(lib, monkeypatch, 
     runs = {}
     for kind in ("kernel", "chunks"):
         if kind == "chunks":
-            monkeypatch.setattr(fused_update_8bit, "_on_block_boundaries", lambda p: False)
+            monkeypatch.setattr(fused_update_8bit, "whole_blocks", lambda p, block: False)
         model, opt = o8(adam)
         calls = calls_of_own_step(opt)
         train(model, opt, data, poison=(1,))
@@ -206,11 +206,9 @@ def test_the_adam_bound_holds_per_element_on_the_fused_path(lib, case):
     decades that change every step (the cap binds). Each weight moves at most exact Adam's
     largest step, ``lr * 7.27``, plus the stochastic rounding to bfloat16 (under one bf16
     step of the larger of the two weights); the stored state stays within its cap."""
-    n, lr, wd = 4 * 256 + 40, 1e-3, 0.01
-    x = torch.full((n,), 1e-6)
-    x[::256] = 1.0
-    model = _dot_model(n)
-    model, opt = ampkit.initialize(model, torch.optim.AdamW([model.w], lr=lr, weight_decay=wd), opt_level="O8", verbosity=0)
+    lr, wd = 1e-3, 0.01
+    model, opt, x = one_large_gradient_per_block(lr=lr, weight_decay=wd)
+    n = x.numel()
     calls = calls_of_own_step(opt)
     for t in range(60):
         before = model.w.detach().double()
@@ -220,33 +218,3 @@ def test_the_adam_bound_holds_per_element_on_the_fused_path(lib, case):
         assert ((after - before * (1 - lr * wd)).abs() <= lr * adam_constant(0.9, 0.999) * (1 + 1e-5) + ulp).all()
         assert_state_within_bounds(opt, lambda k: adam_state_bound(0.9, 0.999, k))
     assert not calls and model.w.abs().max() <= 60 * lr * adam_constant(0.9, 0.999) * 1.01
-
-
-class _FakeShard:
-    """What ``_on_block_boundaries`` reads of an FSDP2 parameter (a DTensor sharded on dim 0)."""
-
-    def __init__(self, shape, world, placement=None):
-        from torch.distributed.tensor import Replicate, Shard
-
-        self.shape, self.world = torch.Size(shape), world
-        self.placements = (placement or Shard(0),) if placement != "replicate" else (Replicate(),)
-        self.device_mesh = type("Mesh", (), {"ndim": 1, "size": lambda _: world})()
-
-    def to_local(self):
-        raise AssertionError("not read")
-
-    def numel(self):
-        return self.shape.numel()
-
-    def dim(self):
-        return len(self.shape)
-
-
-@pytest.mark.parametrize("shape,world,ok", [((1024, 3), 4, True),  # 256 rows of 3 each: 768 elements apart
-                                            ((1000, 3), 4, False),  # 250 rows: 750 apart
-                                            ((512,), 2, True), ((513,), 2, False), ((513,), 1, True),
-                                            ((64, 8), 2, True), ((3, 256), 2, True), ((3, 100), 2, False)])
-def test_shards_take_the_fused_path_only_when_every_rank_starts_on_a_block(shape, world, ok):
-    """Every rank gets the same answer (a collective per chunk follows it): from the layout, not its own offset."""
-    assert fused_update_8bit._on_block_boundaries(_FakeShard(shape, world)) == ok
-    assert not fused_update_8bit._on_block_boundaries(_FakeShard(shape, world, "replicate"))

@@ -1,7 +1,9 @@
 """O8's blocks laid on the full parameter: which blocks FSDP2's shards split, and shards that
 share those blocks' maxima pack the state as the whole parameter does (ranks simulated by
 threads here; tests/parallel/test_fsdp_world_size.py runs real ones)."""
+import itertools
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +40,48 @@ def test_other_layouts_keep_blocks_of_their_own(shape, mesh, placements):
 def test_plain_tensors_are_their_own_full_tensor():
     t = torch.zeros(1000)
     assert shared_blocks.block_first(t) == 0 and shared_blocks.split_blocks(t, 256) == ()
+    assert shared_blocks.whole_blocks(t, 256)
+
+
+class _Part:
+    """What ``shared_blocks`` reads of one rank's DTensor parameter: its full shape, placements,
+    mesh shape and this rank's coordinate (the parts' offsets are torch's own)."""
+
+    def __init__(self, shape, mesh, placements, coordinate):
+        self.shape, self.placements = torch.Size(shape), _placements(*placements)
+        self.device_mesh = SimpleNamespace(shape=tuple(mesh), get_coordinate=lambda: list(coordinate))
+
+    def to_local(self):
+        raise AssertionError("not read")
+
+
+@pytest.mark.parametrize("shape, mesh, placements, whole", [
+    ((1024, 3), (4,), ("S0",), True),  # 256 rows of 3 each: 768 elements apart
+    ((1000, 3), (4,), ("S0",), False),  # 250 rows: 750 apart
+    ((512,), (2,), ("S0",), True), ((513,), (2,), ("S0",), False), ((513,), (1,), ("S0",), True),
+    ((64, 8), (2,), ("S0",), True), ((3, 256), (2,), ("S0",), True), ((3, 100), (2,), ("S0",), False),
+    ((5, 256), (2,), ("S0",), True), ((10, 128), (4,), ("S0",), False),  # rows not divisible: 3, 3, 3, 1 rows
+    ((6, 128), (4,), ("S0",), True), ((3, 256), (4,), ("S0",), True),  # the last shard empty
+    ((1, 300), (2,), ("S0",), True),  # all on rank 0, rank 1's part empty: no block to share
+    ((5, 300), (4,), ("S0",), False),  # 600 apart, the last part empty
+    ((4, 256), (2, 2), ("R", "S0"), True), ((1024, 3), (2, 2), ("R", "S0"), True),  # HSDP 2 x 2
+    ((5, 300), (2, 2), ("R", "S0"), False), ((1000, 3), (2, 2), ("R", "S0"), False),
+    ((6, 10), (2,), ("S1",), False), ((8, 4), (2, 2), ("S0", "S0"), False),  # not laid on the full tensor
+])
+def test_whole_blocks_reads_every_ranks_part_and_answers_alike_on_each(shape, mesh, placements, whole):
+    """O8's fused kernel takes a DTensor whose parts split no block of the full tensor (so its
+    per-part block maxima are the full tensor's): then each non-empty part starts on a block
+    boundary. Every rank of the mesh answers the same (the fused / chunk choice is followed
+    by collectives), and a replicated tensor of any shape stays off the kernel."""
+    answers = []
+    for coordinate in itertools.product(*map(range, mesh)):
+        part = _Part(shape, mesh, placements, coordinate)
+        answers.append(shared_blocks.whole_blocks(part, 256))
+        if answers[-1]:
+            first, numel, _ = shared_blocks._plan(part)
+            assert numel == 0 or first % 256 == 0
+        assert not shared_blocks.whole_blocks(_Part(shape, mesh, ("R",) * len(mesh), coordinate), 256)
+    assert answers == [whole] * len(answers)
 
 
 class _Counter:
@@ -80,6 +124,7 @@ def test_shards_cut_anywhere_pack_as_the_whole_parameter(monkeypatch, cuts):
     monkeypatch.setattr(shared_blocks, "_plan", lambda t: plans.get(id(t)))
     monkeypatch.setattr(shared_blocks, "_group", lambda t: ranks)
     monkeypatch.setattr(torch.distributed, "all_reduce", ranks.all_reduce)
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "cpu:gloo")  # the threads' group
     monkeypatch.setattr(state_8bit, "global_index", lambda p: plans[id(p)][0] if id(p) in plans else 0)
     real = state_8bit._shared_absmax
     monkeypatch.setattr(state_8bit, "_shared_absmax", lambda *a: real(*a) if share else None)

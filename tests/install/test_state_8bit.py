@@ -120,6 +120,17 @@ def _dot_model(n):
     return Dot()
 
 
+def one_large_gradient_per_block(n=4 * 256 + 40, small=1e-6, level="O8", **adamw):
+    """The issue's case: ``_dot_model(n)`` under ``torch.optim.AdamW(**adamw)`` at ``level``, and
+    the input ``x`` that gives each 256-block one gradient of 1 and the others ``small``:
+    ``(model, opt, x)``."""
+    x = torch.full((n,), small)
+    x[::256] = 1.0
+    model = _dot_model(n)
+    model, opt = ampkit.initialize(model, torch.optim.AdamW([model.w], **adamw), opt_level=level, verbosity=0)
+    return model, opt, x
+
+
 def train_on(model, opt, x):
     opt.zero_grad()
     with ampkit.scale_loss(model(x), opt) as scaled:
@@ -485,11 +496,8 @@ def test_one_large_gradient_per_block_never_moves_a_weight_further_than_exact_ad
     255 of 1e-6. Every element's update on every step is at most exact Adam's largest,
     ``lr * 7.27`` (before: the first moment rounded up a code while the second rounded to 0,
     and weights reached |w| > 100); a stored second moment of 0 holds a first moment of 0."""
-    n, lr, wd = 4 * 256 + 40, 1e-3, 0.01
-    x = torch.full((n,), 1e-6)
-    x[::256] = 1.0
-    model = _dot_model(n)
-    model, opt = ampkit.initialize(model, torch.optim.AdamW([model.w], lr=lr, weight_decay=wd), opt_level="O8", verbosity=0)
+    lr, wd = 1e-3, 0.01
+    model, opt, x = one_large_gradient_per_block(lr=lr, weight_decay=wd)
     log = record_steps(opt)
     for t in range(1, 101):
         train_on(model, opt, x)
@@ -508,13 +516,10 @@ def test_elements_far_below_their_blocks_largest_move_like_exact_adam_on_average
     moved them 30% and 87% less). One seed's ratio spreads by about 3% at ``small=3e-3``
     (measured), so 8 seeds put 5% at about 4.7 standard errors."""
     n = 4 * 256
-    x = torch.full((n,), small)
-    x[::256] = 1.0
     moved = {}
     for level, seeds in (("O7", [0]), ("O8", range(8))):
         for seed in seeds:
-            model = _dot_model(n)
-            model, opt = ampkit.initialize(model, torch.optim.AdamW([model.w], lr=1e-3), opt_level=level, verbosity=0)
+            model, opt, x = one_large_gradient_per_block(n, small, level, lr=1e-3)
             ampkit.stochastic_rounding.manual_seed(seed, opt)
             for _ in range(100):
                 train_on(model, opt, x)

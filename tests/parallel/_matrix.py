@@ -18,7 +18,8 @@ what the launches returned (``matrix(name)`` in conftest.py, one launch each per
   checkpoints loaded into a 1-D mesh of 2.
 
 Every launch but ``"2b"`` also trains O8 from identical gradients (test_fsdp_world_size.py's
-model, shards cut inside blocks), which must give the single process's weights and state.
+model, shards cut inside blocks), which must give the single process's weights and state;
+``"4"`` on the 2 x 2 mesh too.
 """
 import importlib.util
 
@@ -77,6 +78,7 @@ def worker(rank, world_size, root, name):
         out["averaged_model_refusal"] = averaged_model_refusal()
     if name == "4":
         hsdp(rank, world_size, root, out)
+        out["O8/identical_gradients/2x2"] = _trained("O8", True, mesh=_mesh())
     if name == "2b":
         for level in LEVELS:
             loads(rank, world_size, f"{root}/hsdp/{level}", level, out, f"{level}/from2x2")

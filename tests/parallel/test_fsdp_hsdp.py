@@ -10,6 +10,7 @@ import torch
 
 from ._matrix import SAVE_AT
 from ._tiny import ALL_LEVELS, BF16, LEVELS, TOLERANCE, assert_state_equal
+from .test_fsdp_world_size import _trained, assert_same_optimizer_state
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +53,13 @@ def test_2d_checkpoint_loads_into_a_1d_mesh_of_2(matrix, level):
     assert [rank[f"{level}/from2x2/rounding0"] for rank in flat] == saved[:len(flat)]
     torch.testing.assert_close(torch.tensor(flat[0][f"{level}/from2x2/losses0"]),
                                torch.tensor(ranks[0][f"{level}/2d"][SAVE_AT:]), **TOLERANCE.get(level, BF16))
+
+
+def test_o8_on_a_2d_mesh_equals_one_process_bit_for_bit(matrix):
+    """Given identical gradients, O8 on the 2 x 2 mesh (shards cut inside blocks stepped in the
+    chunks, the whole-block ones by the fused kernel) gives the single process's weights,
+    float32 state and stored codes and scales (the replicas' scales equal: ``_gathered``)."""
+    single, single_opt = _trained("O8", False)
+    got, got_opt = matrix("4")[0]["O8/identical_gradients/2x2"]
+    assert got.keys() == single.keys() and all(torch.equal(got[k], single[k]) for k in single)
+    assert_same_optimizer_state(got_opt, single_opt, "O8")

@@ -43,11 +43,12 @@ class Unaligned(Linear):
     """Shards cut inside 256-element blocks: on 2 ranks ``a.weight`` (5 rows of 300) at 900,
     in its block 3, ``b.weight`` (7 of 5) and the biases inside their only block; on 3 ranks
     at 600 and 1200 (blocks 2 and 4), and so on. A large value in one rank's part of a split
-    block sets the scale of the other's."""
+    block sets the scale of the other's. ``c.weight`` (4 rows of 256) splits no block on 1 to
+    4 ranks nor on a 2 x 2 mesh: O8's fused kernel steps its shards."""
 
     def __init__(self):
         nn.Module.__init__(self)
-        self.a, self.b = nn.Linear(300, 5), nn.Linear(5, 7)
+        self.a, self.b, self.c = nn.Linear(300, 5), nn.Linear(5, 7), nn.Linear(256, 4, bias=False)
 
     def forward(self, step):
         g = torch.Generator().manual_seed(int(step))
@@ -60,8 +61,12 @@ def _model(case: str) -> nn.Module:
     return Unaligned() if case.startswith("O8") else Linear()
 
 
-def _trained(case: str, distributed: bool):
+def _trained(case: str, distributed: bool, mesh=None):
+    """``case`` trained STEPS steps, in one process or on FSDP2 (on ``mesh`` if given):
+    (full weights, :func:`_optimizer_state`)."""
     kwargs, kind = CASES[case]
+    if mesh is not None:
+        kwargs = {**kwargs, "fsdp_kwargs": {"mesh": mesh}}
     torch.manual_seed(0)
     model = _model(case)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if kind == "adamw"
