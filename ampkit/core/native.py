@@ -289,7 +289,7 @@ def library() -> Optional[ctypes.CDLL]:
             for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state", "adamw_8bit", "adamw_master",
                          "adamw_remainder"):
                 getattr(lib, name).restype = None
-            lib.any_nonfinite.restype = ctypes.c_int
+            lib.any_nonfinite.restype = lib.widen_bf16.restype = ctypes.c_int
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             logger.warning("ampkit: fused CPU kernels unavailable (%s%s); using the eager path (same numbers, slower).",
@@ -415,7 +415,8 @@ void adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, f
 """
 
 
-# -- the gradient check without unscaling (core/scaler.py): one read, for a loss scale of 1 ---------
+# -- the gradient check without unscaling (core/scaler.py), for a loss scale of 1: one read, or one
+# pass that widens bfloat16 gradients into float32 master gradients ---------------------------------
 SOURCE += r"""
 /* Whether any of n elements of 2 or 4 bytes has its exponent bits exp all set (inf or NaN). */
 static uint32_t nonfinite16(const uint16_t *restrict x, int64_t n, uint16_t exp) {
@@ -436,6 +437,26 @@ int any_nonfinite(const void *x, int64_t n, int bytes, uint32_t exp, int threads
         const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
         any |= bytes == 2 ? nonfinite16((const uint16_t *)x + lo, hi - lo, (uint16_t)exp)
                           : nonfinite32((const uint32_t *)x + lo, hi - lo, exp);
+    }
+    return any != 0;
+}
+
+/* dst = bfloat16 src widened to float32 (exact), in one pass; whether any is inf or NaN. */
+static uint32_t widen_range(const uint16_t *restrict src, float *restrict dst, int64_t n) {
+    uint32_t any = 0;
+    for (int64_t i = 0; i < n; i++) {
+        dst[i] = widen(src[i]);
+        any |= (src[i] & 0x7F80) == 0x7F80;
+    }
+    return any;
+}
+
+int widen_bf16(const uint16_t *src, float *dst, int64_t n, int threads) {
+    uint32_t any = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(| : any)
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        any |= widen_range(src + lo, dst + lo, hi - lo);
     }
     return any != 0;
 }

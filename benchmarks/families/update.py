@@ -44,7 +44,7 @@ from families.update_profile import COLUMNS, SMALL, profile
 
 # name: (level, initialize overrides, fused AdamW on, ideal bytes, moved bytes (counted) or None)
 VARIANTS = {
-    "O5": ("O5", {}, True, 2 + 8 + 16 + 2, 6 + 30),
+    "O5": ("O5", {}, True, 2 + 8 + 16 + 2, 6 + 30),  # the widening into fp32 master gradients: 2 read, 4 written
     "remainder": ("O5", {"master_weights": "remainder"}, True, 6 + 4 + 16, 2 + 26),
     "O7 fused": ("O7", {}, True, 4 + 2 + 16, 2 + 4 + 2 + 16),
     "O7 bf16 state fused": ("O7", {"optimizer_state_dtype": torch.bfloat16}, True, 4 + 2 + 8, 2 + 4 + 2 + 8),

@@ -126,6 +126,35 @@ def test_a_scale_of_one_checks_without_writing_and_flags_every_special_anywhere(
         torch.set_num_threads(threads)
 
 
+def test_a_scale_of_one_widens_bf16_gradients_in_one_pass_and_copies_every_pair(lib):
+    """O5's move into fp32 master gradients at a loss scale of 1: the C kernel widens the large
+    contiguous bf16 pairs (1 or 2 threads) exactly as ``.float()`` does, flags an inf or NaN in
+    any of them, and still copies every pair after the one that overflowed; small, strided
+    and fp16 pairs take torch's kernels."""
+    n = 2 * native.MIN_PER_THREAD + 5
+    srcs = [(torch.randn(n) * 1e3).bfloat16() for _ in range(3)]
+    _bits(srcs[1])[:4] = torch.tensor(EDGES[torch.bfloat16]).to(torch.int16)
+    others = [torch.ones(9, dtype=torch.bfloat16), torch.ones(n, 2, dtype=torch.bfloat16)[:, 0],
+              torch.ones(n, dtype=torch.float16)]
+    left = scaler._widen_without_unscaling([torch.empty(n) for _ in range(6)], srcs + others, torch.zeros(1))
+    assert [id(t) for t in left[1]] == [id(t) for t in others]  # the three large bf16 ones were the kernel's
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for special, at in [(None, 0)] + [(sp, at) for sp in SPECIALS[torch.bfloat16] for at in (0, n // 2, n - 1)]:
+                src = [t.clone() for t in srcs] + others
+                if special is not None:
+                    _bits(src[0])[at] = torch.tensor(special).to(torch.int16)  # the first pair overflows
+                dst, found = [torch.full((t.numel(),), -7.0) for t in src], {}
+                copy_unscale_and_check_(dst, src, 1.0, found)
+                assert found[torch.device("cpu")].item() == (0.0 if special is None else 1.0), (special, at, count)
+                for d, t in zip(dst, src):
+                    assert torch.equal(d.view(torch.int32), t.float().reshape(-1).view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _half_grads(dtype):
     """Gradients of several sizes, one non-contiguous, with values that fp16 only holds scaled."""
     g = torch.Generator().manual_seed(0)
