@@ -80,18 +80,18 @@ def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tens
     while todo:  # the candidates are rare: a range whose buffer filled up goes on from where it stopped
         lo, hi = todo.pop(0)
         threads = native.threads(hi - lo)
-        cap = RBLOCK + 64 + (hi - lo) // threads.value // 4096
-        found = torch.empty(threads.value, cap, dtype=torch.int64)
-        counts, done = torch.zeros(threads.value, dtype=torch.int64), torch.zeros(threads.value, dtype=torch.int64)
+        k = threads.value
+        cap = RBLOCK + 64 + (hi - lo) // k // 4096
+        found, counts, done = torch.empty(k, cap, dtype=torch.int64), (ctypes.c_int64 * k)(), (ctypes.c_int64 * k)()
         lib.adamw_remainder(*(native.ptr(t, lo) for t in (w, r, grad, m, v)), ctypes.c_int64(hi - lo),
                             ctypes.c_int64(lo), native.ptr(table), ctypes.c_int64(table.numel()), native.ptr(found),
-                            ctypes.c_int64(cap), native.ptr(counts), native.ptr(done), consts, threads)
-        bounds = [lo + (hi - lo) * t // threads.value for t in range(threads.value + 1)]
-        for t in range(threads.value):
-            parts.append((bounds[t], found[t, :int(counts[t])]))
-            if bounds[t] + int(done[t]) < bounds[t + 1]:
-                todo.append((bounds[t] + int(done[t]), bounds[t + 1]))
-    return torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
+                            ctypes.c_int64(cap), counts, done, consts, threads)
+        for t in range(k):
+            start, end = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k
+            parts.append((start, found[t, :counts[t]]))
+            if start + done[t] < end:
+                todo.append((start + done[t], end))
+    return parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
 
 
 def step_remainder_(w, r, grad, m, v, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:
