@@ -197,12 +197,15 @@ def _check_without_unscaling(group: list, flag: torch.Tensor) -> list:
     lib = native.library()
     if lib is None or group[0].dtype not in EXPONENT:
         return group
+
+    def fits(g):
+        return g.is_contiguous() and g.numel() >= native.MIN_PER_THREAD
+
     exp, size = ctypes.c_uint32(EXPONENT[group[0].dtype]), ctypes.c_int(group[0].element_size())
-    read = [g for g in group if g.is_contiguous() and g.numel() >= native.MIN_PER_THREAD]
     if any(lib.any_nonfinite(native.ptr(g), ctypes.c_int64(g.numel()), size, exp, native.threads(g.numel()))
-           for g in read):
+           for g in group if fits(g)):  # reads only: it may stop at the first non-finite tensor
         flag.fill_(1.0)
-    return [g for g in group if not (g.is_contiguous() and g.numel() >= native.MIN_PER_THREAD)]
+    return [g for g in group if not fits(g)]
 
 
 def _widen_without_unscaling(dst: list, src: list, flag: torch.Tensor):
