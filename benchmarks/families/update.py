@@ -187,10 +187,23 @@ def report(result: dict) -> list:
          f"(one thread, in-place add_)", table(result["profile"]["rows"], COLUMNS)] if result.get("profile") else [])
 
 
+PROFILED = {"O5": "O5 masters (fp32 grad)", "remainder": "remainder", "O7 fused": "O7",
+            "O7 bf16 state fused": "O7 bf16 state", "O8": "O8", KERNEL: "fp32 kernel alone"}  # variant: its kernel
+
+
 def targets(result: dict) -> list:
-    """Each ampkit level's update within 1.5x of its bound; the fused fp32 anchor for comparison."""
-    out = [{"target": f"update {r['variant']} <= 1.5x its bound", "measured": f"{r['vs_bound']:.2f}x",
-            "met": r["vs_bound"] <= 1.5} for r in result["rows"] if not r["variant"].startswith("torch")]
+    """Each fused update within 1.5x of its bound, with its kernel's arithmetic against the bound
+    (the profile: above 1.5x, no saving of bytes reaches the target); the fused fp32 kernel
+    against torch's."""
+    compute = {r["kernel"]: r["compute_vs_bound"] for r in result.get("profile", {}).get("rows", [])}
+    out = []
+    for r in result["rows"]:
+        if r["variant"] not in PROFILED:
+            continue
+        arithmetic = compute.get(PROFILED[r["variant"]])
+        note = "" if arithmetic is None else f" (arithmetic alone {arithmetic:.2f}x)"
+        out.append({"target": f"update {r['variant']} <= 1.5x its bound", "measured": f"{r['vs_bound']:.2f}x{note}",
+                    "met": r["vs_bound"] <= 1.5})
     ms = {r["variant"]: r["ms"] for r in result["rows"]}
     if KERNEL in ms and "torch AdamW fused fp32" in ms:  # the issue's: at least as fast as torch's fused AdamW
         ratio = ms[KERNEL] / ms["torch AdamW fused fp32"]
