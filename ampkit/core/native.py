@@ -289,7 +289,7 @@ def library() -> Optional[ctypes.CDLL]:
             for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state", "adamw_8bit", "adamw_master",
                          "adamw_remainder"):
                 getattr(lib, name).restype = None
-            lib.any_nonfinite.restype = lib.widen_bf16.restype = ctypes.c_int
+            lib.any_nonfinite.restype = lib.widen_scaled.restype = ctypes.c_int
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             logger.warning("ampkit: fused CPU kernels unavailable (%s%s); using the eager path (same numbers, slower).",
@@ -415,8 +415,8 @@ void adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, f
 """
 
 
-# -- the gradient check without unscaling (core/scaler.py), for a loss scale of 1: one read, or one
-# pass that widens bfloat16 gradients into float32 master gradients ---------------------------------
+# -- the gradient check (core/scaler.py): a read, for a loss scale of 1; the move of half gradients
+# into float32 master gradients, unscaled and checked in one pass ------------------------------------
 SOURCE += r"""
 /* Whether any of n elements of 2 or 4 bytes has its exponent bits exp all set (inf or NaN). */
 static uint32_t nonfinite16(const uint16_t *restrict x, int64_t n, uint16_t exp) {
@@ -441,22 +441,37 @@ int any_nonfinite(const void *x, int64_t n, int bytes, uint32_t exp, int threads
     return any != 0;
 }
 
-/* dst = bfloat16 src widened to float32 (exact), in one pass; whether any is inf or NaN. */
-static uint32_t widen_range(const uint16_t *restrict src, float *restrict dst, int64_t n) {
-    uint32_t any = 0;
-    for (int64_t i = 0; i < n; i++) {
-        dst[i] = widen(src[i]);
-        any |= (src[i] & 0x7F80) == 0x7F80;
+static inline float half_to_float(uint16_t h) {  /* IEEE float16 to float32, exact (F16C's, without it) */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    const uint32_t normal = sign | ((e + 112u) << 23) | (m << 13), special = sign | 0x7F800000u | (m << 13);
+    const uint32_t subnormal = sign | q8_u((float)m * 0x1p-24f);
+    return q8_f(e == 0 ? subnormal : (e == 31 ? special : normal));
+}
+
+/* dst = half src (bfloat16, or float16 when fp16) widened to float32 and multiplied by inv (kept
+   as it is when inv is 1), in one pass; whether any src is inf or NaN: torch's copy, then its
+   unscale-and-check, which checks the values before it scales them. */
+#define WIDEN_LOOP(TO_FLOAT, MASK)                                                   \
+    for (int64_t i = 0; i < n; i++) {                                               \
+        const float v = TO_FLOAT(src[i]);                                           \
+        dst[i] = inv == 1.0f ? v : v * inv;                                         \
+        any |= (src[i] & MASK) == MASK;                                             \
     }
+static uint32_t widen_range(const uint16_t *restrict src, float *restrict dst, int64_t n, int fp16, float inv) {
+    uint32_t any = 0;
+    if (fp16)
+        WIDEN_LOOP(half_to_float, 0x7C00)
+    else
+        WIDEN_LOOP(widen, 0x7F80)
     return any;
 }
 
-int widen_bf16(const uint16_t *src, float *dst, int64_t n, int threads) {
+int widen_scaled(const uint16_t *src, float *dst, int64_t n, int fp16, float inv, int threads) {
     uint32_t any = 0;
     #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(| : any)
     for (int t = 0; t < threads; t++) {
         const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        any |= widen_range(src + lo, dst + lo, hi - lo);
+        any |= widen_range(src + lo, dst + lo, hi - lo, fp16, inv);
     }
     return any != 0;
 }

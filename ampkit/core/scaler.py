@@ -208,20 +208,21 @@ def _check_without_unscaling(group: list, flag: torch.Tensor) -> list:
     return [g for g in group if not fits(g)]
 
 
-def _widen_without_unscaling(dst: list, src: list, flag: torch.Tensor):
-    """``dst[i] = src[i]`` for the large contiguous bfloat16 ``src`` into float32 ``dst``, each in
-    one pass of the C kernel that flags non-finite values as it reads; returns the pairs left
-    to the copy-and-unscale kernels (all of them without the C kernels)."""
+def _widen_and_unscale(dst: list, src: list, inv_scale: float, flag: torch.Tensor):
+    """``dst[i] = src[i] * inv_scale`` for the large contiguous half ``src`` into float32 ``dst``,
+    each in one pass of the C kernel that flags the non-finite results; returns the pairs
+    left to torch's copy-and-unscale kernels (all of them without the C kernels)."""
     lib = native.library()
 
     def fits(d, s):
-        return (s.dtype == torch.bfloat16 and d.dtype == torch.float32 and d.is_contiguous() and s.is_contiguous()
-                and d.numel() == s.numel() >= native.MIN_PER_THREAD)
+        return (s.dtype in (torch.bfloat16, torch.float16) and d.dtype == torch.float32 and d.is_contiguous()
+                and s.is_contiguous() and d.numel() == s.numel() >= native.MIN_PER_THREAD)
 
     if lib is None:
         return dst, src
-    found = [lib.widen_bf16(native.ptr(s), native.ptr(d), ctypes.c_int64(s.numel()), native.threads(s.numel()))
-             for d, s in zip(dst, src) if fits(d, s)]  # every pair copied, whatever the first ones hold
+    found = [lib.widen_scaled(native.ptr(s), native.ptr(d), ctypes.c_int64(s.numel()), s.dtype == torch.float16,
+                              ctypes.c_float(inv_scale), native.threads(s.numel()))
+             for d, s in zip(dst, src) if fits(d, s)]  # every pair written, whatever the first ones hold
     if any(found):
         flag.fill_(1.0)
     left = [(d, s) for d, s in zip(dst, src) if not fits(d, s)]
@@ -243,8 +244,8 @@ def copy_unscale_and_check_(dst, src, inv_scale: float, found_inf: dict) -> None
         pair[1].append(s)
     for device, (ds, ss) in groups.items():
         flag = _flag(found_inf, device)
-        if inv_scale == 1.0 and device.type == "cpu":
-            ds, ss = _widen_without_unscaling(ds, ss, flag)
+        if device.type == "cpu":
+            ds, ss = _widen_and_unscale(ds, ss, inv_scale, flag)
         inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
         for block_d, block_s in (_cache_blocks(ds, ss) if device.type == "cpu" else [(ds, ss)]):
             torch._foreach_copy_(block_d, block_s)

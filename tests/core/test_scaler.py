@@ -126,31 +126,52 @@ def test_a_scale_of_one_checks_without_writing_and_flags_every_special_anywhere(
         torch.set_num_threads(threads)
 
 
-def test_a_scale_of_one_widens_bf16_gradients_in_one_pass_and_copies_every_pair(lib):
-    """O5's move into fp32 master gradients at a loss scale of 1: the C kernel widens the large
-    contiguous bf16 pairs (1 or 2 threads) exactly as ``.float()`` does, flags an inf or NaN in
-    any of them, and still copies every pair after the one that overflowed; small, strided
-    and fp16 pairs take torch's kernels."""
+def _torch_path(monkeypatch, dst, src, inv):
+    """copy_unscale_and_check_ through torch's kernels alone (no C kernels)."""
+    found = {}
+    with monkeypatch.context() as m:
+        m.setattr(scaler.native, "library", lambda: None)
+        copy_unscale_and_check_(dst, src, inv, found)
+    return found[torch.device("cpu")].item()
+
+
+def _same_values(a, b):
+    """Bit for bit, NaN payloads aside."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gradients_widen_and_unscale_in_one_pass_as_torchs_kernels_do(lib, dtype, monkeypatch):
+    """The move of half gradients into fp32 master gradients: the C kernel (1 or 2 threads)
+    gives torch's copy-then-unscale values and flag for any scale (1 kept exact, a product that
+    overflows not flagged: torch checks the values before scaling), an inf or NaN anywhere in
+    any pair, and writes every pair after one that overflowed; small, strided and fp32 pairs
+    take torch's kernels."""
     n = 2 * native.MIN_PER_THREAD + 5
-    srcs = [(torch.randn(n) * 1e3).bfloat16() for _ in range(3)]
-    _bits(srcs[1])[:4] = torch.tensor(EDGES[torch.bfloat16]).to(torch.int16)
-    others = [torch.ones(9, dtype=torch.bfloat16), torch.ones(n, 2, dtype=torch.bfloat16)[:, 0],
-              torch.ones(n, dtype=torch.float16)]
-    left = scaler._widen_without_unscaling([torch.empty(n) for _ in range(6)], srcs + others, torch.zeros(1))
-    assert [id(t) for t in left[1]] == [id(t) for t in others]  # the three large bf16 ones were the kernel's
+    torch.manual_seed(0)
+    srcs = [(torch.randn(n) * 1e3).clamp(-6e4, 6e4).to(dtype) for _ in range(3)]
+    _bits(srcs[1])[:4] = torch.tensor(EDGES[dtype]).to(torch.int16)
+    _bits(srcs[2])[:3] = torch.tensor([0x0001, 0x03FF, 0x8200] if dtype == torch.float16 else [0x0001, 0x007F, 0x8040]).to(torch.int16)  # subnormals
+    others = [torch.ones(9, dtype=dtype), torch.ones(n, 2, dtype=dtype)[:, 0], torch.ones(n)]
+    left = scaler._widen_and_unscale([torch.empty(n) for _ in range(6)], srcs + others, 0.5, torch.zeros(1))
+    assert [id(t) for t in left[1]] == [id(t) for t in others]  # the three large half ones were the kernel's
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for special, at in [(None, 0)] + [(sp, at) for sp in SPECIALS[torch.bfloat16] for at in (0, n // 2, n - 1)]:
+            cases = [(None, 0, inv) for inv in (1.0, 0.5, 2.0**-24, 3.0)]
+            cases += [(sp, at, 0.25) for sp in SPECIALS[dtype] for at in (0, n // 2, n - 1)]
+            for special, at, inv in cases:
                 src = [t.clone() for t in srcs] + others
                 if special is not None:
                     _bits(src[0])[at] = torch.tensor(special).to(torch.int16)  # the first pair overflows
-                dst, found = [torch.full((t.numel(),), -7.0) for t in src], {}
-                copy_unscale_and_check_(dst, src, 1.0, found)
+                got, want = ([torch.full((t.numel(),), -7.0) for t in src] for _ in range(2))
+                found = {}
+                copy_unscale_and_check_(got, src, inv, found)
+                assert found[torch.device("cpu")].item() == _torch_path(monkeypatch, want, src, inv)
                 assert found[torch.device("cpu")].item() == (0.0 if special is None else 1.0), (special, at, count)
-                for d, t in zip(dst, src):
-                    assert torch.equal(d.view(torch.int32), t.float().reshape(-1).view(torch.int32))
+                assert all(_same_values(a, b) for a, b in zip(got, want)), (special, inv, count)
     finally:
         torch.set_num_threads(threads)
 
