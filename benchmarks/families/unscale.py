@@ -81,7 +81,7 @@ def bench_unscale(cfg, device, log):
         gb = n * src.element_size() / 1e9
         rows.append({
             "level": level, "grad_dtype": str(dtype).replace("torch.", ""), "elements": n, "tensors": chunks,
-            "path": "fp32 grads: unscale + check in place" if wide is None else "half grads -> fp32 master grads: copy, unscale + check",
+            "path": "fp32 grads: check (scale 1: a read)" if wide is None else "half -> fp32 master grads: widen, unscale, check",
             "ampkit_GBps": gb / median(t_amp), "copy_GBps": gb / median(t_copy),
             "ratio": median(t_copy) / median(t_amp),
             "vs_conversion": None if wide is None else median(t_wide) / median(t_amp),
