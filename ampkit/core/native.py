@@ -150,6 +150,13 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
                 c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8], c9 = c[9];
     const int l2 = c1 != 0.0f;
     int64_t nbad = 0;
+    uint32_t wd[Q8_BLOCK], vd[Q8_BLOCK];
+    for (int j = 0; j < k; j++) {  /* the counter draws first: fewer live registers in the step below */
+        const uint64_t a = word(key0, first + j);  /* stream 0 (16-bit): bits 0..15, stream 1 (m, 32-bit): 32..55 */
+        wd[j] = (uint32_t)(a & 0xFFFF);
+        db[j] = (float)(int32_t)((a >> 32) & 0xFFFFFF);
+        vd[j] = (uint32_t)(word(key1, first + j) & 0xFFFFFF);  /* stream 2 (v, 32-bit): bits 0..23 */
+    }
     for (int j = 0; j < k; j++) {
         int8_t qm = mq[j]; uint8_t qv = vq[j]; uint16_t wj = w[j];
         bw[j] = wj; bm[j] = qm; bv[j] = qv;
@@ -164,9 +171,8 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         float denom = r / c6 + c7;
         p = p - (m / denom) * c8;
         nbad += !isfinite(p);
-        uint64_t a = word(key0, first + j);  /* stream 0 (16-bit): bits 0..15, stream 1 (m, 32-bit): 32..55 */
-        w[j] = narrow(p, a & 0xFFFF);
-        mb[j] = m; rb[j] = r; db[j] = (float)(int32_t)((a >> 32) & 0xFFFFFF);
+        w[j] = narrow(p, wd[j]);
+        mb[j] = m; rb[j] = r;
     }
     const float sv = q8_scale(q8_absmax(rb, k, top), 1, 0.90625f);
     for (int j = 0; j < k; j++) {
@@ -178,7 +184,7 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         int normal = y >= 0x1p-14f;
         float low = normal ? (float)((int32_t)(u >> 19) - (112 << 4)) : flin;
         float frac = normal ? (float)(u & 0x7FFFF) * 0x1p-19f : lin - flin;
-        float d = (float)(int32_t)(word(key1, first + j) & 0xFFFFFF);
+        float d = (float)(int32_t)vd[j];
         uint8_t code = (uint8_t)(int32_t)(low + (float)(d < frac * 0x1p24f));
         code = nan ? 254 : (inf ? 255 : code);
         vq[j] = code;
