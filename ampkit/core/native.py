@@ -114,7 +114,7 @@ void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t 
    scale and v = (e4m4 code * scale)**2; the new sqrt(v), then m (capped against the stored
    sqrt(v) times cap; cap NaN: none) quantized per block with the counter draws of streams 2
    and 1. The old weight, codes and scales go to the backups bw, bm, bv, bms, bvs (so a step
-   that made a weight non-finite can be undone); *bad counts the non-finite new weights. */
+   that made a weight non-finite can be undone); *bad counts the blocks with a non-finite new weight. */
 #define Q8_BLOCK 256
 static inline float q8_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t q8_u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -149,7 +149,7 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
     const float top = 1.8125f * 0x1p127f, sm = *ms, sv0 = *vs, c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3],
                 c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8], c9 = c[9];
     const int l2 = c1 != 0.0f;
-    int64_t nbad = 0;
+    uint32_t nbad = 0;  /* a flag, not a count: 32-bit lanes in the vector loop */
     uint32_t wd[Q8_BLOCK], vd[Q8_BLOCK];
     for (int j = 0; j < k; j++) {  /* the counter draws first: fewer live registers in the step below */
         const uint64_t a = word(key0, first + j);  /* stream 0 (16-bit): bits 0..15, stream 1 (m, 32-bit): 32..55 */
@@ -170,7 +170,7 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         float r = sqrtf(v);
         float denom = r / c6 + c7;
         p = p - (m / denom) * c8;
-        nbad += !isfinite(p);
+        nbad |= !isfinite(p);
         w[j] = narrow(p, wd[j]);
         mb[j] = m; rb[j] = r;
     }
@@ -229,7 +229,7 @@ static int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved down to
     return b > 0 ? b : 0;
 }
 
-/* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the non-finite new weights. */
+/* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the blocks with a non-finite new weight. *
 void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
                 int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap, uint16_t *bw, int8_t *bm,
                 uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
