@@ -229,7 +229,7 @@ static int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved down to
     return b > 0 ? b : 0;
 }
 
-/* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the blocks with a non-finite new weight. *
+/* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the blocks with a non-finite new weight. */
 void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
                 int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap, uint16_t *bw, int8_t *bm,
                 uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
