@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -38,10 +39,13 @@ def device(request):
 def lib():
     """ampkit's C kernels (``ampkit/core/native.py``), for the tests that compare them with the
     eager references; those skip where no C compiler builds them (the eager path is all there is)."""
+    import shutil
+
     from ampkit.core import native
     built = native.library()
-    if built is None:
+    if built is None and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")) and "CC" not in os.environ:
         pytest.skip("no C compiler here: the eager path is all there is")
+    assert built is not None, "a C compiler is here but the kernels did not build (see the log line)"
     return built
 
 
