@@ -280,6 +280,11 @@ def _build_threaded(compiler: str) -> str:
         return _build(compiler, FLAGS)
 
 
+def compiler() -> Optional[str]:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def library() -> Optional[ctypes.CDLL]:
     """The kernels, built on first use; ``None`` (logged once) where they cannot be built, or
     where ``AMPKIT_NATIVE=0`` turns them off."""
@@ -287,11 +292,11 @@ def library() -> Optional[ctypes.CDLL]:
         return _state["lib"]
     lib = None
     if os.environ.get("AMPKIT_NATIVE", "1") != "0":
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        cc = compiler()
         try:
-            if compiler is None:
+            if cc is None:
                 raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on the PATH")
-            lib = ctypes.CDLL(_build_threaded(compiler))
+            lib = ctypes.CDLL(_build_threaded(cc))
             for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state", "adamw_8bit", "adamw_master",
                          "adamw_remainder"):
                 getattr(lib, name).restype = None
