@@ -58,6 +58,13 @@ static inline uint64_t word(uint64_t key, int64_t i) { return mix64(key + (uint6
         const int64_t lo = (n) * t_ / threads, hi = (n) * (t_ + 1) / threads;                            \
         BODY                                                                                            \
     }
+/* The same ranges, OR-ing EXPR (a uint32_t of the range [lo, hi)) into the caller's `any`. */
+#define ANY_RANGE(n, lo, hi, EXPR)                                                                       \
+    _Pragma("omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(| : any)") \
+    for (int t_ = 0; t_ < threads; t_++) {                                                              \
+        const int64_t lo = (n) * t_ / threads, hi = (n) * (t_ + 1) / threads;                            \
+        any |= EXPR;                                                                                    \
+    }
 static inline float widen(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t narrow(float f, uint64_t d16) {  /* + a uniform 16-bit integer, truncated */
     uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + (uint32_t)d16) >> 16);
@@ -443,12 +450,8 @@ static uint32_t nonfinite32(const uint32_t *restrict x, int64_t n, uint32_t exp)
 
 int any_nonfinite(const void *x, int64_t n, int bytes, uint32_t exp, int threads) {
     uint32_t any = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(| : any)
-    for (int t = 0; t < threads; t++) {
-        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        any |= bytes == 2 ? nonfinite16((const uint16_t *)x + lo, hi - lo, (uint16_t)exp)
-                          : nonfinite32((const uint32_t *)x + lo, hi - lo, exp);
-    }
+    ANY_RANGE(n, lo, hi, bytes == 2 ? nonfinite16((const uint16_t *)x + lo, hi - lo, (uint16_t)exp)
+                                    : nonfinite32((const uint32_t *)x + lo, hi - lo, exp))
     return any != 0;
 }
 
@@ -479,11 +482,7 @@ static uint32_t widen_range(const uint16_t *restrict src, float *restrict dst, i
 
 int widen_scaled(const uint16_t *src, float *dst, int64_t n, int fp16, float inv, int threads) {
     uint32_t any = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(| : any)
-    for (int t = 0; t < threads; t++) {
-        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        any |= widen_range(src + lo, dst + lo, hi - lo, fp16, inv);
-    }
+    ANY_RANGE(n, lo, hi, widen_range(src + lo, dst + lo, hi - lo, fp16, inv))
     return any != 0;
 }
 """
