@@ -67,7 +67,8 @@ def _word(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _draws16(word: torch.Tensor, stream: int) -> torch.Tensor:
     """``counter_bits.draws16`` of ``stream`` (0-3) from the elements' words: an int32 in ``[0, 2**16)``."""
-    return (_shr(word, 16 * stream) & 0xFFFF if stream else word & 0xFFFF).to(torch.int32)
+    shift = counter_bits.shift16(stream)
+    return ((_shr(word, shift) if shift else word) & 0xFFFF).to(torch.int32)
 
 
 def _round(x: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
