@@ -1,9 +1,10 @@
 """ampkit as a Lightning ``Trainer`` precision plugin: ``Trainer(plugins=[AmpkitPrecision("O8")])``.
 
 The plugin calls ``ampkit.initialize`` in ``connect`` (the one hook that sees the model and the
-optimizers together, after ``configure_optimizers``), runs ``backward`` inside ``scale_loss``,
-steps through ampkit's optimizer (a skipped step skips), clips the masters
-(``gradient_clip_val``), holds step-interval LR schedulers after a skipped step, logs the loss
+optimizers together, after ``configure_optimizers``; Lightning calls it for every stage: a module
+cast before is evaluated as it is, and a later fit's new optimizers join its run), runs
+``backward`` inside ``scale_loss``, steps through ampkit's optimizer (a skipped step skips),
+clips the masters (``gradient_clip_val``), holds step-interval LR schedulers after a skipped step, logs the loss
 scale and the skipped steps, and saves the loss scalers in Lightning's checkpoints.
 
 What is initialized: the LightningModule's child modules that hold parameters, each as its own
@@ -28,9 +29,10 @@ from torch import nn
 from ..api.precision import precision_report
 from ..api.state import load_state_dict, loss_scalers, state_dict
 from ..api.training import master_params, scale_loss
+from ..core import registry
 from ..install.optimizer_wrappers import unwrap
 from ..parallel import DistributedDataParallel
-from ..pipeline.initialize import initialize
+from ..pipeline.initialize import add_optimizers, initialize
 from .schedulers import hold_on_skipped_steps
 
 __all__ = ["AmpkitPrecision", "PrecisionReportCallback"]
@@ -53,12 +55,12 @@ class AmpkitPrecision(Precision):
         wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
         module = model.module if wrapped else model
         models = _models(module)
-        if any(getattr(m, "_ampkit", None) is not None for m in models):
-            raise RuntimeError(
-                f"AmpkitPrecision: {type(module).__name__} was already cast by ampkit in an earlier fit(); its new "
-                f"optimizers would not match the cast model. Build a fresh module for a new fit, or continue a run "
-                f"with trainer.fit(module, ckpt_path=...) on a fresh module.")
-        initialize(models, list(optimizers) or None, opt_level=self.opt_level, **self.options)
+        new = [o for o in optimizers if getattr(unwrap(o), "_ampkit", None) is None]
+        if not any(getattr(m, "_ampkit", None) is not None for m in models):
+            initialize(models, new or None, opt_level=self.opt_level, **self.options)
+        elif new:  # a later fit of a module cast before (by a fit, or an evaluation)
+            self._check_cast(module, models)
+            add_optimizers(models, new, "AmpkitPrecision")
         self.optimizers, self._module = list(optimizers), module
         for config in lr_schedulers:
             if config.interval == "step" or not module.automatic_optimization:
@@ -66,6 +68,17 @@ class AmpkitPrecision(Precision):
         if wrapped:  # the DDP strategy wrapped the float32 model: wrap the cast one as ampkit.initialize(ddp=True) does
             model = _rewrapped(model, self.optimizers)
         return model, optimizers, lr_schedulers
+
+    def _check_cast(self, module: nn.Module, models: list) -> None:
+        """A module cast before goes on at its level, with every child that holds parameters cast."""
+        fresh = [type(m).__name__ for m in models if getattr(m, "_ampkit", None) is None]
+        if fresh:
+            raise RuntimeError(f"AmpkitPrecision: {type(module).__name__} was cast by ampkit before, but not its "
+                               f"{fresh} (added since); build the whole module before its first fit or evaluation.")
+        level = registry.of_model("AmpkitPrecision", models[0]).properties.opt_level
+        if self.opt_level not in ("auto", level):
+            raise ValueError(f"AmpkitPrecision(opt_level={self.opt_level!r}): {type(module).__name__} was cast at "
+                             f"{level} before; continue it with opt_level={level!r} or 'auto', or build a fresh module.")
 
     @contextlib.contextmanager
     def train_step_context(self):

@@ -37,13 +37,20 @@ def apply(plan: Plan) -> Run:
         for _ in range(opts["num_losses"])
     ]
     for opt in plan.request.optimizers:
-        OptimizerState(opt, run, plan.use_masters, model_states, originals).attach()
-        if remainder:
-            transient_update.attach_remainders(opt._ampkit, originals, props.optimizer_state_dtype)
-        elif props.update_rounding:
-            transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
+        attach_optimizer(opt, run, plan.use_masters, model_states, originals)
     originals.clear()
     return run
+
+
+def attach_optimizer(opt, run: Run, use_masters: bool, model_states: list, originals: dict) -> None:
+    """The step protocol on ``opt``, with the masters (or remainders) its parameters already
+    have in ``model_states``, else new ones from ``originals``."""
+    props = run.properties
+    OptimizerState(opt, run, use_masters, model_states, originals).attach()
+    if props.master_weights == REMAINDER:
+        transient_update.attach_remainders(opt._ampkit, originals, props.optimizer_state_dtype)
+    elif props.update_rounding:
+        transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
 
 
 def _rounds_stochastically(props) -> bool:

@@ -4,8 +4,8 @@ from ..core.levels import HALF_DTYPES
 from ..core.options import SIGNATURE, args_doc
 from ..core.run import Run
 from ..parallel import DistributedDataParallel
-from .apply import apply
-from .check import check
+from .apply import apply, attach_optimizer
+from .check import check, check_optimizers
 from .plan import make_plan
 from .report import report
 from .request import parse
@@ -34,6 +34,24 @@ def wrap(plan):
     kwargs.setdefault("allreduce_always_fp32", plan.props.cast_model_type in HALF_DTYPES and not plan.props.master_weights)
     models = [DistributedDataParallel(m, **kwargs) for m in request.models]
     return models[0] if request.single_model else models
+
+
+def add_optimizers(models: list, optimizers: list, caller: str) -> None:
+    """Optimizers made after ``initialize`` for ``models`` (a framework's next ``fit``), checked as
+    ``initialize`` checks them; they step on the masters (or remainders) the models have, with
+    the models' run (its loss scalers, its rounding)."""
+    runs = {id(r): r for r in (registry.of_model(caller, m) for m in models)}
+    if len(runs) != 1:
+        raise ValueError(f"{caller}: the models were initialized by {len(runs)} different ampkit.initialize calls; "
+                         f"expected one.")
+    run = next(iter(runs.values()))
+    props, states = run.properties, [m._ampkit for m in models]
+    masters = props.master_weights is True and props.cast_model_type in HALF_DTYPES and not any(s.sharded for s in states)
+    check_optimizers(optimizers, models, masters)
+    for opt in optimizers:
+        attach_optimizer(opt, run, masters, states, {})
+    run.optimizer_names += tuple(type(o).__name__ for o in optimizers)
+    run.trains = True
 
 
 initialize.__signature__ = SIGNATURE

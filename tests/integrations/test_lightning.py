@@ -210,8 +210,65 @@ def test_a_batch_dropped_in_manual_optimization_is_forgotten_by_the_lightning_op
     assert same(weights(lit.net), reference(level, batches[:1] + batches[2:])[0])
 
 
-def test_a_second_fit_of_a_cast_module_is_refused_with_the_way_out():
+class Evaluated(Lit):
+    """``Lit`` with a BatchNorm, and the three evaluation steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 16))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", loss_of(self.net(batch[0]), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", loss_of(self.net(batch[0]), batch[1]))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")  # fit without one
+@pytest.mark.parametrize("same_trainer", [True, False], ids=["same-trainer", "new-trainer"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O5", "O7", "remainder"])
+def test_validate_test_and_predict_after_fit(level, same_trainer):
+    batches = make_batches(3)
+    lit = Evaluated()
+    trainer = fit(lit, batches, level)
+    if not same_trainer:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin(level)], logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    trained, stats = weights(lit.net), lit.net[1].running_mean.clone()
+    val = trainer.validate(lit, loader, verbose=False)[0]["val_loss"]
+    test = trainer.test(lit, loader, verbose=False)[0]["test_loss"]
+    predicted = trainer.predict(lit, loader)
+    lit.eval()
+    with torch.no_grad():
+        by_hand = [lit.net(x) for x, _ in batches]
+    assert all(p.dtype == torch.float32 and torch.equal(p, h) for p, h in zip(predicted, by_hand))
+    assert val == test == pytest.approx(sum(loss_of(h, y).item() for h, (_, y) in zip(by_hand, batches)) / 3)
+    assert torch.equal(lit.net[1].running_mean, stats)  # BatchNorm evaluated with its running statistics
+    assert same(weights(lit.net), trained)
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")  # on purpose
+@pytest.mark.parametrize("level", ["O2", "O5", "O7", "O8", "remainder"])
+def test_a_second_fit_of_the_same_module_resumes_bit_exact(level, tmp_path):
+    batches = make_batches(6, bad=[1])
+    lit = Lit(schedule=True)
+    trainer = fit(lit, batches, level, steps=3)
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    trainer = fit(lit, batches, level, ckpt_path=str(tmp_path / "three.ckpt"), steps=6)
+    assert len(lit.seen) == 6
+    expected, lrs = reference(level, lit.seen, schedule=True)
+    assert same(weights(lit.net), expected)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == lrs[-1]
+
+
+def test_a_second_fit_at_another_level_is_refused_with_the_level_to_use():
     lit = Lit()
     fit(lit, make_batches(2), "O5")
-    with pytest.raises(RuntimeError, match="already cast by ampkit in an earlier fit"):
-        fit(lit, make_batches(2), "O5")
+    with pytest.raises(ValueError, match="opt_level='O2'.*cast at O5.*opt_level='O5' or 'auto'"):
+        fit(lit, make_batches(2), "O2")
