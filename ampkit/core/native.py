@@ -10,7 +10,10 @@ torch reference (``-fno-trapping-math`` only lets the compiler ignore floating-p
 exception flags, so that it vectorizes selects on float comparisons), and the results are
 bit for bit the eager path's whatever SIMD width the compiler picks. The library is cached
 under ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), keyed by the source, the flags,
-the compiler and the CPU's feature flags; where there is no compiler (or the build fails)
+the compiler and the CPU's feature flags, written durably beside a record of its size and
+sha256, and loaded only if it matches that record (else rebuilt, with one warning) and only
+from folders and a file that are this user's and not writable by others (else built in a
+private folder for the process, with one warning); where there is no compiler (or the build fails)
 one line is logged and :func:`library` returns ``None``: the callers then run the eager
 path, with the same numbers. A call runs on ``torch.get_num_threads()`` threads over disjoint
 ranges, which cannot change a result (each element is computed on its own): an OpenMP loop
@@ -21,6 +24,7 @@ a compiler without OpenMP builds kernels that run on one thread (logged once).
 """
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -31,6 +35,7 @@ from typing import Optional
 import torch
 
 from .cpu import cpu_info
+from .files import fsync_dir
 from .logs import logger
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c99"]
@@ -262,29 +267,102 @@ def cache_dir() -> str:
     return os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
 
 
-def _build(compiler: str, flags: list) -> str:
-    """The cached library's path, compiled first if it is not there."""
+class _Untrusted(Exception):
+    """A cached library, or its folder, that another user could have written."""
+
+
+def _check_owner(path: str) -> None:
+    """Raise :class:`_Untrusted` unless ``path`` is this user's and not writable by group or others."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise _Untrusted(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})")
+
+
+def _cache_folder() -> str:
+    """``$AMPKIT_CACHE_DIR/kernels``, made private (0700) where new; :class:`_Untrusted` if it, or the cache, is not."""
+    folder = os.path.join(cache_dir(), "kernels")
+    for path in (cache_dir(), folder):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        _check_owner(path)
+    return folder
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _damage(path: str) -> Optional[str]:
+    """What is wrong with the library at ``path`` against the size and sha256 recorded beside it, or ``None``."""
+    try:
+        with open(path + ".json") as f:
+            record = json.load(f)
+        size, digest = int(record["size"]), str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "has no readable record of its size and hash"
+    if os.path.getsize(path) != size:
+        return f"is {os.path.getsize(path)} bytes, not the {size} it had when built (cut short?)"
+    return None if _sha256(path) == digest else "does not match the sha256 recorded when it was built"
+
+
+def _publish(built: str, path: str) -> None:
+    """Move the library ``built`` to ``path`` durably (fsync, then an atomic rename), its record first."""
+    with open(built, "rb") as f:
+        data = f.read()
+        os.fsync(f.fileno())
+    with open(built + ".json", "w") as f:
+        json.dump({"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(built + ".json", path + ".json")
+    os.replace(built, path)  # atomic: a concurrent build writes the same bytes
+    fsync_dir(os.path.dirname(path))
+
+
+def _build(compiler: str, flags: list, folder: str) -> str:
+    """The library's path in ``folder``: the copy there if it is this user's and matches its
+    record, else compiled again (a damaged copy: with one warning)."""
     tag = hashlib.sha256("\0".join([SOURCE, " ".join(flags), compiler, platform.machine(), " ".join(sorted(cpu_info()[1]))]).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), "kernels", f"ampkit_kernels_{tag}.so")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-            src, out = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
-            with open(src, "w") as f:
-                f.write(SOURCE)
-            subprocess.run([compiler, *flags, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(out, path)  # atomic: a concurrent build writes the same bytes
+    path = os.path.join(folder, f"ampkit_kernels_{tag}.so")
+    if os.path.exists(path):
+        _check_owner(path)
+        damage = _damage(path)
+        if damage is None:
+            return path
+        logger.warning("ampkit: the cached kernel library %s %s; rebuilding it (delete that folder if this repeats).",
+                       path, damage)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src, out = os.path.join(tmp, "kernels.c"), os.path.join(tmp, "kernels.so")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        subprocess.run([compiler, *flags, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
+        _publish(out, path)
     return path
 
 
-def _build_threaded(compiler: str) -> str:
-    """:func:`_build` with OpenMP, else (logged) without: kernels on one thread."""
+def _build_threaded(compiler: str, folder: Optional[str] = None) -> str:
+    """:func:`_build` with OpenMP, else (logged) without: kernels on one thread. ``folder``: the cache's by default."""
+    folder = folder or _cache_folder()
     try:
-        return _build(compiler, FLAGS + [OPENMP])
+        return _build(compiler, FLAGS + [OPENMP], folder)
     except subprocess.CalledProcessError as e:
         logger.info("ampkit: %s %s failed (%s); the fused CPU kernels run on one thread.", compiler, OPENMP,
                     (e.stderr or b"").decode(errors="replace").strip().splitlines()[:1])
-        return _build(compiler, FLAGS)
+        return _build(compiler, FLAGS, folder)
+
+
+def _load(compiler: str) -> ctypes.CDLL:
+    """The cached kernels, or (with one warning saying why) kernels built in a private folder for this process."""
+    try:
+        return ctypes.CDLL(_build_threaded(compiler))
+    except _Untrusted as e:
+        logger.warning("ampkit: not loading cached kernels: %s; building them in a private folder for this process "
+                       "(make the cache yours and not writable by others, e.g. chmod go-w, or set AMPKIT_CACHE_DIR "
+                       "to such a folder).", e)
+    with tempfile.TemporaryDirectory(prefix="ampkit-kernels-") as private:  # mode 0700; the loaded library stays mapped
+        return ctypes.CDLL(_build_threaded(compiler, private))
 
 
 def compiler() -> Optional[str]:
@@ -303,7 +381,7 @@ def library() -> Optional[ctypes.CDLL]:
         try:
             if cc is None:
                 raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on the PATH")
-            lib = ctypes.CDLL(_build_threaded(cc))
+            lib = _load(cc)
             for name in ("round_bf16", "adamw_fp32_state", "adamw_bf16_state", "adamw_8bit", "adamw_master",
                          "adamw_remainder"):
                 getattr(lib, name).restype = None
