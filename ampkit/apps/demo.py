@@ -1,7 +1,7 @@
 """``python -m ampkit demo``: train the built-in models at every opt level, compare in one table.
 
-By default the demo first says what this machine does natively in half precision
-(:func:`ampkit.capabilities`), then sizes itself to finish within a minute: a quick probe
+By default the demo first says how fast this machine computes in half precision
+(:func:`ampkit.capabilities`: measured by a short cached probe), then sizes itself to finish within a minute: a quick probe
 times three steps per model and compute dtype (fp8 on its own) at a sixteenth of the batch,
 under the same load and threads as the runs, and the steps per run (and, on a slower
 machine, the batch) are chosen to fit the time that start-up and probe left. ``--steps N``
@@ -14,8 +14,8 @@ peak of ``torch.cuda.max_memory_allocated``). Steps/s is the median of steps 2..
 first step selects kernels and allocates once); a ratio inside the runs' step-to-step
 spread is marked as noise. Every level starts from the same seeded weights and sees the
 same batches; a held-out batch of the same data is scored before and after training.
-The demo ends with the level it recommends for this machine and why: what the device does
-natively (:func:`ampkit.capabilities`) and the precision report of the demo LM.
+The demo ends with the level it recommends for this machine and why: which half dtype the
+device computes faster than float32 (:func:`ampkit.capabilities`) and the precision report of the demo LM.
 """
 import dataclasses
 import itertools
@@ -40,6 +40,7 @@ import ampkit
 from ..core import text_table
 from .demo_models import ConvNet, LMConfig, TinyLM, image_batches, lm_batches, lm_loss
 from ..api.footprint import bytes_per_param
+from ..install.hardware import SLOWER
 from .progress import Progress
 
 LEVELS = tuple(ampkit.OPT_LEVELS)
@@ -393,18 +394,24 @@ def plan(times: Dict[str, List[float]], models, levels, budget: float = BUDGET_S
 
 
 def describe(caps) -> List[str]:
-    """What half precision buys on this device, in plain words."""
+    """What half precision buys on this device, in plain words (from ``caps``: measured, or the flags)."""
     by_gain: Dict[str, List[str]] = {}
     for level, gain in caps.levels.items():
         if level != "O0":
             by_gain.setdefault(gain, []).append(level)
     lines = [f"This machine: {caps.line()}"]
     lines += [f"  {'/'.join(lvls)}: {gain}" for gain, lvls in by_gain.items()]
-    if caps.device == "cpu" and not (caps.native_bf16 or caps.native_fp16):
-        lines.append("  Half precision is emulated on this CPU: here it only saves memory, and half levels are "
-                     "expected to run slower than O0 (the tiny demo runs are dominated by fixed costs).")
-    elif caps.device == "cpu" and not caps.native_fp16:
-        lines.append("  float16 is emulated on this CPU: O1/O2/O3 only save memory here; bfloat16 (O4/O5/O7/O8) is the fast path.")
+    bf16, fp16 = caps.fast(torch.bfloat16), caps.fast(torch.float16)
+    if not (bf16 or fp16):
+        lines.append("  No half dtype is faster than float32 here: half precision only saves memory, and half levels "
+                     "are expected to run no faster than O0, slower where marked (the tiny demo runs are dominated "
+                     "by fixed costs).")
+    elif not fp16:
+        lines.append("  float16 is not faster than float32 here: O1/O2/O3 only save memory; bfloat16 (O4/O5/O7/O8) is "
+                     "the fast path.")
+    elif not bf16:
+        lines.append("  bfloat16 is not faster than float32 here: O4/O5/O7/O8 only save memory; float16 (O1/O2) is "
+                     "the fast path.")
     return lines
 
 
@@ -458,7 +465,8 @@ def advice(device: str = "cpu", report: Optional[Callable] = None) -> dict:
 
     found, caps = demo_report("lm"), ampkit.capabilities(device)
     speed, memory = found.recommend(capabilities=caps), found.recommend("memory", capabilities=caps)
-    return {"level": speed.level, "reason": speed.reason, "memory_level": memory.level, "memory_reason": memory.reason}
+    return {"level": speed.level, "reason": speed.reason, "memory_level": memory.level, "memory_reason": memory.reason,
+            "memory_slower": caps.levels.get(memory.level) == SLOWER}
 
 
 def caveats(rows: List[dict], info: dict, device: torch.device) -> List[str]:
@@ -494,6 +502,8 @@ def recommendation(rows: List[dict], found: dict) -> List[str]:
     if least and least != level:
         lines.append(f"  For the least memory: {least} keeps {kept[least]:.1f} bytes/param here "
                      f"(the precision report judges O1-O7; its memory pick is {memory}).")
+    if memory != level and found.get("memory_slower"):
+        lines.append(f"  {memory} runs slower than O0 on this machine: pick it for the memory, not for speed.")
     return lines
 
 

@@ -62,11 +62,20 @@ def test_a_slow_start_and_probe_leave_less_time_for_training():
     assert late_steps * late_scale < steps * scale and _spent(times, late_steps, late_scale) <= 12.0
 
 
-def _caps(monkeypatch, flags):
+def _caps(monkeypatch, flags, seconds=None):
+    """This CPU's capabilities with ``flags``; measured as ``seconds`` (op -> dtype -> s), else from the flags."""
     monkeypatch.setattr(caps_module, "_cpu_info", lambda: ("Test CPU", frozenset(flags)))
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("AMPKIT_PROBE", "1" if seconds else "0")
+    monkeypatch.setattr(caps_module, "_timings", lambda device: seconds)
+    monkeypatch.setattr(caps_module, "_cached", lambda path, key: None)
+    monkeypatch.setattr(caps_module, "_store", lambda path, entry: None)
     return ampkit.capabilities("cpu")
+
+
+def _seconds(bf16, fp16):
+    return {op: {"float32": 1.0, "bfloat16": bf16, "float16": fp16} for op in ("matmul", "conv")}
 
 
 def test_describe_says_plainly_when_half_only_saves_memory(monkeypatch):
@@ -76,6 +85,26 @@ def test_describe_says_plainly_when_half_only_saves_memory(monkeypatch):
     assert "O4/O5/O7/O8: speed and memory" in text and "O1/O2/O3 only save memory" in text
     text = "\n".join(demo.describe(_caps(monkeypatch, {"amx_bf16", "amx_fp16"})))
     assert "only save" not in text and "O1/O2/O3/O4/O5/O7/O8: speed and memory" in text
+
+
+def test_describe_follows_the_measurement_not_the_flags(monkeypatch):
+    text = "\n".join(demo.describe(_caps(monkeypatch, {"avx512_bf16"}, _seconds(1.9, 1.0))))  # issue 39's Xeon
+    assert "No half dtype is faster than float32 here" in text and "bfloat16 matmul 1.90x" in text
+    assert "O4/O5/O7/O8: memory only, slower than O0" in text and "speed and memory" not in text
+    text = "\n".join(demo.describe(_caps(monkeypatch, {"avx2"}, _seconds(1.5, 0.5))))
+    assert "bfloat16 is not faster than float32 here" in text and "O1/O2/O3: speed and memory" in text
+
+
+def test_the_demo_recommends_o0_where_half_is_measured_slower(monkeypatch):
+    """On a CPU whose bf16 matmuls are slower than fp32 the advice is O0, and the memory pick says it is slower."""
+    _caps(monkeypatch, {"avx512_bf16", "amx_bf16"}, _seconds(1.9, 1.2))
+    found = demo.advice("cpu")  # the demo LM's real precision report, judged for this measured CPU
+    assert found["level"] == "O0" and "No half dtype is faster than float32" in found["reason"]
+    memory = found["memory_level"]
+    assert memory != "O0" and found["memory_slower"] and f"{memory} runs slower than O0 here" in found["memory_reason"]
+    lines = demo.recommendation([_row("O0", 1.0, 0.1, bpp=8.0), _row(memory, 0.5, 0.1, bpp=4.0)], found)
+    assert lines[0].startswith("Recommended here: O0.") and lines[-1] == (
+        f"  {memory} runs slower than O0 on this machine: pick it for the memory, not for speed.")
 
 
 def test_default_demo_probes_then_runs(tmp_path, capsys):

@@ -95,9 +95,11 @@ class PrecisionReport:
     def recommend(self, prefer: str = "speed", capabilities: Optional[Capabilities] = None) -> Recommendation:
         """The level for this model on this machine (``capabilities``: another device's, to ask "what if").
 
-        ``prefer="speed"``: the fastest level the numbers allow where half precision runs natively
-        (O6 with native fp8, else O5, O4; O2, O1 on float16-only devices), O0 where it is emulated.
-        ``prefer="memory"``: O7, O5, O2, O4, O1 in that order, wherever half is native or not.
+        ``prefer="speed"``: the fastest level the numbers allow among those faster than O0 on the
+        device (``capabilities``, measured where the probe ran): O6 with native fp8, else O5, O4
+        where bfloat16 is fast; O2, O1 where only float16 is; O0 where neither is.
+        ``prefer="memory"``: O7, O5, O2, O4, O1 in that order, fast or not (the reason says when the
+        level runs slower than O0 there).
         A level is ruled out by activations that overflow its half dtype (at O1/O4 those layers
         go to ``keep_fp32`` instead) or gradients that overflow an unscaled fp16 step; only
         levels this report judged are considered, and O0 is the fallback.

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...install.hardware import SPEED, Capabilities
+from ...install.hardware import SLOWER, SPEED, Capabilities
 from ...core.levels import OPT_LEVELS, Properties
 from .measure import DYNAMIC_START, FP16_OVERFLOW, SCALE_EXPONENTS, Measurements, Stats
 
@@ -222,27 +222,30 @@ PREFERENCES = ("speed", "memory")
 
 
 def preference(caps: Capabilities, prefer: str) -> List[str]:
-    """Levels to try, best first. O3 (fp16 without masters or loss scaling) is never recommended."""
+    """Levels to try, best first. O3 (fp16 without masters or loss scaling) is never recommended.
+    For speed only the levels ``caps`` finds faster than O0 (measured where the probe ran)."""
     if prefer == "memory":
         return ["O7", "O5", "O2", "O4", "O1", "O0"]
-    if caps.native_bf16:
+    if caps.fast(torch.bfloat16):
         return (["O6"] if caps.levels.get("O6") == SPEED else []) + ["O5", "O4", "O0"]
-    if caps.native_fp16:
+    if caps.fast(torch.float16):
         return ["O2", "O1", "O0"]
     return ["O0"]
 
 
 def _why(level: str, caps: Capabilities, prefer: str) -> str:
-    if level == "O0" and prefer == "speed" and not (caps.native_bf16 or caps.native_fp16):
-        return (f"Half precision is emulated on {caps.line()}, so every half level runs slower than O0; "
+    if level == "O0" and prefer == "speed" and not (caps.fast(torch.bfloat16) or caps.fast(torch.float16)):
+        return (f"No half dtype is faster than float32 on {caps.line()}, so no half level runs faster than O0; "
                 f"recommend(prefer='memory') names a level that saves memory.")
     if level == "O0":
         return f"No half-precision level that this report judged suits this model on {caps.line()}."
     if prefer == "memory":
+        slower = caps.levels.get(level) == SLOWER
         return ("The least memory that this model's numbers allow"
-                + (" (bf16 weights without fp32 masters)" if level == "O7" else "") + f", on {caps.line()}.")
-    native = "fp8 matmuls and bfloat16 run" if level == "O6" else "bfloat16 runs" if level in ("O4", "O5") else "float16 runs"
-    return f"{native[0].upper()}{native[1:]} natively on {caps.line()}."
+                + (" (bf16 weights without fp32 masters)" if level == "O7" else "") + f", on {caps.line()}."
+                + (f" {level} runs slower than O0 here: pick it for the memory, not for speed." if slower else ""))
+    fast = "fp8 matmuls and bfloat16 are" if level == "O6" else "bfloat16 is" if level in ("O4", "O5") else "float16 is"
+    return f"{fast[0].upper()}{fast[1:]} faster than float32 on {caps.line()}."
 
 
 def _blocking(level: str, v: Verdict) -> Tuple[List[Finding], Tuple[str, ...]]:

@@ -1,6 +1,7 @@
 """Models whose precision failures are known: the report names exactly the broken layers, and
 training them at each level does what the report says."""
 import copy
+import dataclasses
 import importlib.util
 import itertools
 
@@ -9,7 +10,7 @@ import torch
 
 import ampkit
 from ampkit import float8
-from ampkit.install.hardware import FP8_EMULATED, SLOWER, SPEED, Capabilities
+from ampkit.install.hardware import FP8_EMULATED, MEMORY, SLOWER, SPEED, Capabilities
 from ampkit.api.precision import precision_report
 
 from . import _models as M
@@ -18,7 +19,8 @@ HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 GPU = Capabilities("cuda:0", "test GPU", "sm_90", True, True, "tensor cores", "tensor cores",
                    {lvl: SPEED for lvl in ampkit.OPT_LEVELS})
 FP16_ONLY = Capabilities("cuda:0", "test GPU", "sm_75", False, True, "", "tensor cores",
-                         {**{lvl: SPEED for lvl in ampkit.OPT_LEVELS}, "O6": FP8_EMULATED})
+                         {**{lvl: SPEED for lvl in ampkit.OPT_LEVELS}, **{lvl: MEMORY for lvl in ("O4", "O5", "O7", "O8")},
+                          "O6": FP8_EMULATED})
 CPU = Capabilities("cpu", "test CPU", "AVX2", False, False, "", "", {lvl: SLOWER for lvl in ampkit.OPT_LEVELS})
 
 
@@ -136,6 +138,14 @@ def test_clean_model_recommendations_follow_the_machine():
     assert report.recommend(capabilities=FP16_ONLY).level == "O2"
     assert report.recommend(capabilities=CPU).level == "O0"
     assert report.recommend("memory", capabilities=CPU).level == "O7"
+    assert "O7 runs slower than O0 here" in report.recommend("memory", capabilities=CPU).reason
+    # flags say AVX512-BF16, the probe measured bf16 matmuls at 1.9x fp32's time (issue 39's Xeon): O0 for speed
+    xeon = dataclasses.replace(CPU, native_bf16=True, bf16_via="AVX512-BF16", source="measured at 2 threads",
+                               measured={"bfloat16": {"matmul": 1.9, "conv": 0.9}, "float16": {"matmul": 1.0, "conv": 1.0}})
+    rec = report.recommend(capabilities=xeon)
+    assert rec.level == "O0" and "No half dtype is faster than float32" in rec.reason and "matmul 1.90x" in rec.reason
+    fp16_fast = dataclasses.replace(CPU, levels={**CPU.levels, "O1": SPEED, "O2": SPEED, "O3": SPEED})
+    assert report.recommend(capabilities=fp16_fast).level == "O2"
     no_fp8 = precision_report(net, M.loss_fn, M.batches(), M.adam(net), levels=["O1", "O5"])
     assert no_fp8.recommend(capabilities=GPU).level == "O5"
     assert no_fp8.recommend("memory", capabilities=GPU).level == "O5"
