@@ -4,7 +4,7 @@ import inspect
 from torch import nn
 
 from ..core.casting import check_sparse_embeddings
-from ..core.levels import HALF_DTYPES
+from ..core.levels import HALF_DTYPES, REMAINDER
 from ..install import health
 from ..install.optimizer_state import check_devices
 from ..parallel import DistributedDataParallel as AmpDDP
@@ -22,20 +22,23 @@ def check(plan: Plan) -> None:
     if plan.props.cast_model_type in HALF_DTYPES:
         check_sparse_embeddings(models, plan.props.cast_model_type)
     if plan.props.update_rounding:
-        check_no_sparse_gradients(models, plan.props)
+        check_no_sparse_gradients(models, f"update_rounding={plan.props.update_rounding!r} ({plan.props.opt_level}) "
+                                          f"cannot apply: it steps dense fp32 copies of the half weights")
+    if plan.props.master_weights == REMAINDER:
+        check_no_sparse_gradients(models, "master_weights='remainder' cannot apply: it steps each fp32 master rebuilt "
+                                          "densely from the bf16 weight and its 16-bit remainder")
 
 
-def check_no_sparse_gradients(models, props) -> None:
-    """The transient fp32 update (update_rounding, O7) steps dense copies: no sparse gradients."""
+def check_no_sparse_gradients(models, why: str) -> None:
+    """Refuse embeddings with sparse gradients where the update steps dense copies (O7, remainder masters):
+    ``why`` says which, in the error."""
     for i, model in enumerate(models):
         for name, module in model.named_modules():
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
                 where = (name or type(module).__name__) if len(models) == 1 else f"models[{i}].{name}"
                 raise ValueError(
-                    f"initialize(models=...): {where}.weight has sparse gradients (sparse=True), which "
-                    f"update_rounding={props.update_rounding!r} ({props.opt_level}) cannot apply: it steps dense fp32 "
-                    f"copies of the half weights. Use sparse=False, or O5 (fp32 masters), which trains sparse "
-                    f"embeddings."
+                    f"initialize(models=...): {where}.weight has sparse gradients (sparse=True), which {why}. "
+                    f"Use sparse=False, or O5 with master_weights=True (fp32 masters), which trains sparse embeddings."
                 )
 
 
