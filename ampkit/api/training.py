@@ -6,6 +6,7 @@ import torch
 from ..core import registry
 from ..install.optimizer_state import OptimizerState
 from ..install.optimizer_wrappers import OptimizerLike, unwrap
+from ..install.ddp_windows import reduce_windows
 from ..install.overflow import OverflowCheck
 from ..pipeline.request import as_list
 
@@ -50,10 +51,13 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         return
     if not any(st.received_gradients() for st in states):
         OptimizerState.hold_scaled(states, scaler)
+        if any(ms.holds_gradients_back() for st in states for ms in st.model_states):
+            return  # FSDP2 accumulates them unsharded (no sync): the synchronizing backward's block unscales
         raise RuntimeError(_unreached(states, scale))
     check = OverflowCheck(run, scaler, states)
     for st in states:
         st.unscale(check, 1.0 / scale)
+    reduce_windows(states)
     if not delay_overflow_check:
         check.resolve()
 

@@ -8,6 +8,7 @@ against the original class still hold. ``model._ampkit`` is a :class:`ModelState
 """
 import inspect
 import itertools
+import weakref
 from collections.abc import Mapping
 from typing import Dict, Optional
 
@@ -19,6 +20,7 @@ from .apex_lists import in_apex_fp32_region
 from ..core.casting import cast_tree
 from ..core.remainder import master as combined_master, split_
 from .copies import make_standalone, sync, sync_one
+from .ddp_windows import watch_active
 from .shards import like, local
 from ..core.levels import HALF_DTYPES
 
@@ -27,6 +29,8 @@ class ModelState:
     """How an initialized model casts, and which of its parameters have fp32 masters."""
 
     dtype_error: Optional[str] = None  # set when the model was cast after initialize (AmpModule._apply)
+    ddp_window = None  # the accumulation window of the DDP module running this model (ddp_windows.py)
+    fsdp_root = None  # weakref to the model, when FSDP2 shards it (scale_loss asks whether it holds gradients back)
 
     def __init__(
         self,
@@ -48,6 +52,19 @@ class ModelState:
         # FSDP2 already manages it (the user's fully_shard before initialize), or
         # initialize(fsdp=True) will: set there.
         self.sharded = bool(model.__dict__.get("_is_fsdp_managed_module"))
+        if self.sharded:
+            self.fsdp_root = weakref.ref(model)
+
+    def __getstate__(self):
+        """Pickled and copied without the links to this process's DDP and FSDP objects."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("ddp_window", "fsdp_root")}
+
+    def holds_gradients_back(self) -> bool:
+        """Whether FSDP2 keeps this model's gradients unreduced (``set_requires_gradient_sync(False)``)."""
+        from ..parallel.fsdp import gradient_sync_off
+
+        model = self.fsdp_root() if self.fsdp_root is not None else None
+        return model is not None and gradient_sync_off(model)
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -179,6 +196,8 @@ class AmpModule:
             from ..parallel.fsdp import check_not_resharded
 
             check_not_resharded(self)
+        if not st.sharded and not torch.compiler.is_compiling():
+            watch_active(st)
         if st.input_dtype is not None:
             args = cast_tree(args, st.input_dtype)
             kwargs = cast_tree(kwargs, st.input_dtype)

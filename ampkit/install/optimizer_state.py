@@ -20,6 +20,7 @@ import torch
 from ..core.levels import HALF_DTYPES
 from ..core.scaler import copy_unscale_and_check_, unscale_and_check_
 from . import fused_update
+from .ddp_windows import reduce_windows
 from .overflow import OverflowCheck
 from .step_hooks import hooks_set_aside, run_post_hooks, run_pre_hooks, unhooked_step
 
@@ -69,7 +70,9 @@ class OptimizerState:
       window) ``scaled_by`` is the scaler whose scale the gradients still carry, and
       ``window`` the optimizers whose gradients that same scaled backward wrote.
     * ``stash`` holds clean gradients set aside while a new backward writes scaled ones
-      (gradient accumulation without ``delay_unscale``).
+      (gradient accumulation without ``delay_unscale``); with ``delay_unscale`` the half
+      gradients are summed, still scaled, into the fp32 master gradients
+      (``masters_scaled``), so a window accumulates in fp32 either way.
     * ``pending`` lists overflow checks not yet resolved (``delay_overflow_check``);
       ``skip`` is the id of the loss whose overflow cancels the next ``step()``.
     """
@@ -86,6 +89,7 @@ class OptimizerState:
         self.owner: Dict[torch.Tensor, torch.Tensor] = {}
         self.scaled_by = None
         self.stash: Dict[torch.Tensor, torch.Tensor] = {}
+        self.masters_scaled = False  # the master gradients carry scaled_by's scale
         self._grad_buffers: Dict[torch.Tensor, torch.Tensor] = {}  # master -> its fp32 grad, when reused
         self._spent: List[torch.Tensor] = []  # half grads already moved to the masters
         self.pending: List = []
@@ -227,11 +231,21 @@ class OptimizerState:
         for st in states:
             st.scaled_by = scaler
             st.stage = Stage.SCALED
+            st._sum_scaled_into_masters()
+
+    def _sum_scaled_into_masters(self) -> None:
+        """Add the half gradients, still scaled, to the fp32 master gradients (checked at the unscale)."""
+        if any(p.grad is not None for p in self.masters):
+            self._move_half_grads(1.0, {})
+            self.masters_scaled = True
 
     def unscale(self, check: OverflowCheck, inv_scale: float) -> None:
         """Turn the scaled gradients of the last backward into clean ones, checked by ``check``."""
         self.scaled_by = None
         plain = [_coalesced(p) for p in self.step_params() if p.grad is not None and p not in self.owner]
+        if self.masters_scaled:
+            self.masters_scaled = False
+            unscale_and_check_([m.grad for m in self.owner if m.grad is not None], inv_scale, check.found_inf)
         self._move_half_grads(inv_scale, check.found_inf)
         unscale_and_check_(plain, inv_scale, check.found_inf)
         self._restore_stash()
@@ -270,6 +284,7 @@ class OptimizerState:
             unscale_and_check_(plain, 1.0, check.found_inf)
         if check.found_inf:
             self.pending.append(check)
+        reduce_windows([self])
         for check in self.pending:
             check.resolve()
         self.pending.clear()
@@ -382,6 +397,7 @@ class OptimizerState:
             self.keep_grads = True
         self.stash.clear()
         self.scaled_by = None
+        self.masters_scaled = False
         self._spent = []
         if self.stage is not Stage.IN_BLOCK:
             self.stage = Stage.READY

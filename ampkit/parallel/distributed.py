@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..core.errors import NoEffectWarning
+from ..install.ddp_windows import watch
 
 __all__ = ["DistributedDataParallel"]
 
@@ -197,6 +198,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             dist.broadcast(master.detach(), 0, group=self.process_group)
         state = _Reduction(self.process_group, bool(allreduce_always_fp32), float(gradient_predivide_factor), bool(gradient_average))
         self.register_comm_hook(state, _delayed_hook if delay_allreduce else _allreduce_hook)
+        self._ampkit_reduction = state  # an accumulation window's sum is reduced with the same arithmetic
+        if hasattr(module, "_ampkit"):
+            watch(self, module._ampkit)
 
     def enable_allreduce(self) -> None:
         """Reduce gradients again from the next forward on (after gradient accumulation)."""

@@ -29,6 +29,7 @@ import os
 import pickle
 import sys
 import warnings
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -53,6 +54,14 @@ def is_sharded(model: nn.Module) -> bool:
     """True when ``fully_shard`` was applied to ``model`` or to one of its submodules."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded
     return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def gradient_sync_off(model: nn.Module) -> bool:
+    """Whether some FSDP2 module of ``model`` holds its gradients back (``set_requires_gradient_sync(False)``)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(
+        not group.reduce_grads for m in model.modules() if isinstance(m, fsdp.FSDPModule)
+        for group in m._get_fsdp_state()._fsdp_param_groups)
 
 
 def _keeps_float32(module: nn.Module, keep_bn: bool) -> bool:
@@ -128,6 +137,7 @@ class Plan:
         state = getattr(model, "_ampkit", None)
         if state is not None:
             state.sharded = True
+            state.fsdp_root = weakref.ref(model)
             state._param_ids = {id(p) for p in model.parameters()}
         return {before[i]: m._parameters[n] for i, (m, n) in where.items()}
 
