@@ -33,3 +33,21 @@ def test_every_message_in_the_error_table_is_raised_by_the_code():
     for fragment, torchs in rows:
         if not torchs:
             assert fragment in source, f"Troubleshooting quotes {fragment!r}, which no ampkit message contains"
+
+
+@pytest.mark.repo_files("CONTRIBUTING.md")
+def test_the_numerics_command_has_its_own_inductor_cache_wherever_it_is_given():
+    """Without a fresh ``TORCHINDUCTOR_CACHE_DIR`` inductor hands the portable-kernel pass the kernels an
+    earlier run compiled for this CPU's SIMD width (CONTRIBUTING.md says why)."""
+    command = 'ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m pytest -q -m "numerics'
+    for page in ("README.md", "CONTRIBUTING.md"):
+        assert command in (REPO / page).read_text(), page
+
+
+@pytest.mark.repo_files("pyproject.toml", "mkdocs.yml")
+def test_the_package_description_names_every_level():
+    import ampkit
+
+    span = f"O0-{list(ampkit.OPT_LEVELS)[-1]}"
+    assert f"(opt levels {span})" in (REPO / "pyproject.toml").read_text()
+    assert f"(opt levels {span})" in (REPO / "mkdocs.yml").read_text()
