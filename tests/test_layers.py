@@ -168,6 +168,7 @@ def test_checker_finds_literal_import_module_calls_and_plain_imports(tmp_path):
 
 
 @pytest.mark.parametrize("name, layer", [("ampkit.core.run", "core"), ("ampkit.parallel.fsdp", "install"),
+                                         ("ampkit.parallel.clean_exit", "install"),
                                          ("ampkit.checkpoint", "public"), ("ampkit", "public"),
                                          ("ampkit.apex_compat.__main__", "apps")])
 def test_layer_of(name, layer):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..core.errors import NoEffectWarning
+from .clean_exit import guard_exit
 from ..install.ddp_windows import watch
 
 __all__ = ["DistributedDataParallel"]
@@ -198,6 +199,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             dist.broadcast(master.detach(), 0, group=self.process_group)
         state = _Reduction(self.process_group, bool(allreduce_always_fp32), float(gradient_predivide_factor), bool(gradient_average))
         self.register_comm_hook(state, _delayed_hook if delay_allreduce else _allreduce_hook)
+        guard_exit()
         self._ampkit_reduction = state  # an accumulation window's sum is reduced with the same arithmetic
         if hasattr(module, "_ampkit"):
             watch(self, module._ampkit)

@@ -44,6 +44,7 @@ from ..core.run import ROUNDING_KEY
 from ..install.overflow import collective_device
 from ..install.shards import is_dtensor
 from . import reshard
+from .clean_exit import guard_exit
 
 __all__ = ["FSDP_KWARGS", "full_state_dict", "is_sharded", "load_sharded", "save_sharded"]
 
@@ -118,6 +119,7 @@ class Plan:
         where = {id(p): (m, n) for m in model.modules() for n, p in m._parameters.items() if p is not None}
         before = {id(p): p for p in model.parameters()}
         _broadcast_from_first_rank(model, self.shard_kwargs.get("mesh"))
+        guard_exit()
         if self.half_model:
             for m in model.modules():
                 if _keeps_float32(m, self.keep_bn) and any(p is not None for p in m._parameters.values()):
