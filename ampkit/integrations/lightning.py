@@ -118,14 +118,24 @@ class AmpkitPrecision(Precision):
 
 
 def _rewrapped(ddp: nn.parallel.DistributedDataParallel, optimizers: list) -> nn.Module:
-    """ampkit's DistributedDataParallel around ``ddp.module``, reducing as ``initialize(ddp=True)`` would
-    (in float32 where a half model has no masters); torch's wrapper, built on the float32 model, goes."""
-    module = ddp.module
+    """ampkit's DistributedDataParallel around ``ddp.module`` with ``ddp``'s options, reducing as
+    ``initialize(ddp=True)`` would (in float32 where a half model has no masters); torch's wrapper,
+    built on the float32 model, goes."""
+    module, options = ddp.module, _ddp_options(ddp)
     props = unwrap(optimizers[0])._ampkit.run.properties
     fp32 = props.cast_model_type in (torch.float16, torch.bfloat16) and not props.master_weights
     del ddp  # its reducer (and the autograd hooks it put on the parameters) goes with it
     gc.collect()
-    return DistributedDataParallel(module, allreduce_always_fp32=fp32)
+    return DistributedDataParallel(module, allreduce_always_fp32=fp32, **options)
+
+
+def _ddp_options(ddp: nn.parallel.DistributedDataParallel) -> dict:
+    """The keywords the strategy built ``ddp`` with: its ``_ddp_kwargs`` (``find_unused_parameters``,
+    ``static_graph``, ...) and ``ddp``'s devices."""
+    options = dict(getattr(ddp.module.trainer.strategy, "_ddp_kwargs", None) or {})
+    if ddp.device_ids:
+        options.update(device_ids=ddp.device_ids, output_device=ddp.output_device)
+    return options
 
 
 def _models(module: nn.Module) -> list:

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..core.errors import NoEffectWarning
-from .clean_exit import guard_exit
 from ..install.ddp_windows import watch
 
 __all__ = ["DistributedDataParallel"]
@@ -27,6 +26,10 @@ _NO_BUFFER_SYNC = {
     "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
     else "broadcast_buffers": False
 }
+
+
+_MESSAGE_SIZE = 10_000_000  # message_size's default
+_TORCH_OPTIONS = [n for n in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters if n != "module"]
 
 
 def _report_no_effect(name: str, why: str) -> None:
@@ -94,6 +97,30 @@ def _bucket_cap_mb(module: torch.nn.Module, message_size: int, delay_allreduce: 
     return message_size * max(numel, key=numel.get) / 2**20
 
 
+def _torch_options(module, options: dict, message_size: int, delay_allreduce: bool, retain: bool) -> dict:
+    """torch DDP's keywords: ``options`` (torch's own, checked against Apex's), with the bucket size,
+    the bucket view and the buffer sync Apex's options set."""
+    unknown = sorted(set(options) - set(_TORCH_OPTIONS))
+    if unknown:
+        raise TypeError(f"DistributedDataParallel({unknown[0]}=...): no such argument; expected Apex's options or "
+                        f"torch DistributedDataParallel's: {', '.join(_TORCH_OPTIONS)}.")
+    if options.get("mixed_precision") is not None:
+        raise ValueError("DistributedDataParallel(mixed_precision=...): ampkit does the mixed precision "
+                         "(ampkit.initialize); expected None.")
+    if "bucket_cap_mb" in options and (delay_allreduce or message_size != _MESSAGE_SIZE):
+        other = "delay_allreduce=True" if delay_allreduce else f"message_size={message_size}"
+        raise ValueError(f"DistributedDataParallel(bucket_cap_mb={options['bucket_cap_mb']!r}, {other}): both set "
+                         f"the bucket size; give one.")
+    if retain and options.get("gradient_as_bucket_view") is False:
+        raise ValueError("DistributedDataParallel(retain_allreduce_buffers=True, gradient_as_bucket_view=False): "
+                         "Apex's and torch's name of one option, with two values; give one.")
+    out = {"bucket_cap_mb": _bucket_cap_mb(module, message_size, delay_allreduce), **options,
+           "gradient_as_bucket_view": bool(retain or options.get("gradient_as_bucket_view"))}
+    if not {"broadcast_buffers", "forward_sync_buffers"} & set(options):
+        out.update(_NO_BUFFER_SYNC)
+    return out
+
+
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """Apex's ``apex.parallel.DistributedDataParallel``, built on torch's.
 
@@ -107,7 +134,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     backward, one bucket per dtype; ``retain_allreduce_buffers`` makes gradients views
     into the bucket buffers. ``disable_allreduce()`` / ``enable_allreduce()`` switch
     reduction off and on for gradient accumulation, from the next forward on (torch's
-    ``no_sync``).
+    ``no_sync``). torch DDP's own keywords (``find_unused_parameters``, ``static_graph``,
+    ``gradient_as_bucket_view``, ``bucket_cap_mb`` instead of ``message_size``,
+    ``broadcast_buffers``, ...) are passed on to it.
 
     Args:
         module: the model (already through ``ampkit.initialize``, if used).
@@ -124,6 +153,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         gradient_average_split_factor: accepted for Apex compatibility, no effect (NoEffectWarning).
         prof: accepted for Apex compatibility, no effect (NoEffectWarning).
         shared_param: removed in Apex; refused with the replacement to use.
+        options: torch ``DistributedDataParallel``'s keywords (not ``mixed_precision``: ampkit's).
     """
 
     def __init_subclass__(cls, **kwargs):
@@ -137,7 +167,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def __init__(
         self,
         module: torch.nn.Module,
-        message_size: int = 10_000_000,
+        message_size: int = _MESSAGE_SIZE,
         delay_allreduce: bool = False,
         allreduce_trigger_params=None,
         retain_allreduce_buffers: bool = False,
@@ -150,6 +180,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         prof: bool = False,
         *,
         shared_param=None,
+        **options,
     ):
         if shared_param is not None:
             raise ValueError(
@@ -188,18 +219,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         ):
             if value:
                 _report_no_effect(name, why)
-        super().__init__(
-            module,
-            bucket_cap_mb=_bucket_cap_mb(module, message_size, delay_allreduce),
-            gradient_as_bucket_view=bool(retain_allreduce_buffers),
-            **_NO_BUFFER_SYNC,
-        )
+        super().__init__(module, **_torch_options(module, options, message_size, delay_allreduce, retain_allreduce_buffers))
         # ampkit.initialize ran first: its fp32 master weights must start equal on every rank too.
         for master in getattr(getattr(module, "_ampkit", None), "masters", {}).values():
             dist.broadcast(master.detach(), 0, group=self.process_group)
         state = _Reduction(self.process_group, bool(allreduce_always_fp32), float(gradient_predivide_factor), bool(gradient_average))
         self.register_comm_hook(state, _delayed_hook if delay_allreduce else _allreduce_hook)
-        guard_exit()
         self._ampkit_reduction = state  # an accumulation window's sum is reduced with the same arithmetic
         if hasattr(module, "_ampkit"):
             watch(self, module._ampkit)

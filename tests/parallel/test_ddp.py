@@ -265,3 +265,26 @@ def test_bucket_size_is_message_size_elements(world_of_one):
     # Half linear layers hold most elements (the BatchNorm stays float32): 2 bytes each.
     assert DistributedDataParallel(make_net(dtype=F16), message_size=1000).bucket_bytes_cap == 2000
     assert DistributedDataParallel(make_net()).bucket_bytes_cap == 40_000_000
+
+
+def test_torch_ddp_options_pass_through(world_of_one):
+    ddp = DistributedDataParallel(make_net(), find_unused_parameters=True, gradient_as_bucket_view=True, bucket_cap_mb=1)
+    assert ddp.find_unused_parameters and ddp.gradient_as_bucket_view and ddp.bucket_bytes_cap == 2**20
+    assert DistributedDataParallel(make_net(), static_graph=True).static_graph
+    assert DistributedDataParallel(make_net(), retain_allreduce_buffers=True).gradient_as_bucket_view
+    sync = next(iter(ddp_impl._NO_BUFFER_SYNC))  # forward_sync_buffers (torch >= 2.13) or broadcast_buffers
+    assert getattr(DistributedDataParallel(make_net(), **{sync: True}), sync) is True
+    plain = DistributedDataParallel(make_net())  # Apex's defaults
+    assert getattr(plain, sync) is False and not plain.find_unused_parameters and not plain.gradient_as_bucket_view
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"find_unused_parameter": True}, TypeError, r"find_unused_parameter=\.\.\.\): no such argument.*find_unused_parameters"),
+    ({"bucket_cap_mb": 1, "message_size": 1000}, ValueError, r"bucket_cap_mb=1, message_size=1000\): both set"),
+    ({"bucket_cap_mb": 1, "delay_allreduce": True}, ValueError, r"bucket_cap_mb=1, delay_allreduce=True\): both set"),
+    ({"retain_allreduce_buffers": True, "gradient_as_bucket_view": False}, ValueError, "two values"),
+    ({"mixed_precision": object()}, ValueError, r"mixed_precision=\.\.\.\): ampkit does the mixed precision.*None"),
+])
+def test_torch_ddp_options_that_do_not_exist_or_conflict_with_apexs_are_refused(world_of_one, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DistributedDataParallel(make_net(), **kwargs)
