@@ -14,7 +14,9 @@ Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdow
 JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --json``).
 
 The level and option tables import ``ampkit.core`` (and so torch, which ``ampkit[docs]`` installs
-with ampkit); the rest of the site is read statically.
+with ampkit), and ``initialize``'s signature and docstring are read from the imported module
+(``dynamic_docstrings.py``, a griffe extension); the rest of the site is read statically, so the
+frameworks of ``ampkit.integrations`` need not be installed.
 """
 import ast
 import html
@@ -64,9 +66,6 @@ def public_exports() -> dict:
     raise RuntimeError("ampkit/__init__.py has no _EXPORTS table")
 
 
-DYNAMIC_DOCSTRINGS = {"initialize"}  # built at import time from core/options.py: read by importing the module
-
-
 def api_top() -> str:
     """mkdocstrings entries for the top-level names (functions and classes; submodules have their pages)."""
     out = []
@@ -74,8 +73,6 @@ def api_top() -> str:
         if not module:
             continue
         out.append(f"::: ampkit.{module}.{name}\n    options:\n      heading_level: 2\n")
-        if name in DYNAMIC_DOCSTRINGS:
-            out[-1] += "      force_inspection: true\n"
     return "\n".join(out)
 
 

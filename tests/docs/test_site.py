@@ -76,12 +76,20 @@ def test_the_check_sees_an_undocumented_argument():
 
 # --- the build -----------------------------------------------------------------------------
 
+FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers")  # not in the docs extra
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
+    """The site, built as the README's docs command builds it: with the docs extra alone, so the
+    frameworks that ``ampkit.integrations`` imports fail to import (stand-ins that raise ImportError)."""
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip('needs the docs extra: python -m pip install -c constraints.txt -e ".[docs]"')
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, PYTHONPATH=str(REPO), NO_MKDOCS_2_WARNING="1")
+    out, blocked = tmp_path_factory.mktemp("site"), tmp_path_factory.mktemp("no_frameworks")
+    for name in FRAMEWORKS:
+        (blocked / name).mkdir()
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name}: not installed with the docs extra')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked), str(REPO)]), NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -101,6 +109,11 @@ def test_the_site_builds_strictly_with_the_generated_parts(site):
     api = (site / "api" / "index.html").read_text()
     for name in ("initialize", "scale_loss", "precision_report", "capabilities"):
         assert re.search(rf'id="ampkit\.[\w.]*\b{name}"', api), name
+    # initialize's signature and docstring, built at import (docs/hooks/dynamic_docstrings.py)
+    assert '<span class="n">fp8_exclude</span>' in api and "<code>fp8_exclude</code>" in api
+    integrations = (site / "api" / "integrations.html").read_text()
+    for name in ("lightning.AmpkitPrecision", "accelerate.AmpkitAccelerator", "transformers.AmpkitTrainer"):
+        assert f'id="ampkit.integrations.{name}"' in integrations, name  # read statically: no framework imported
     assert "<svg" in (site / "contributing.html").read_text()  # the layer picture
     trouble = (site / "troubleshooting.html").read_text()
     assert "<td><code>initialize</code></td>" in trouble and re.search(r"\d+ bad inputs\.", trouble)  # the included table
