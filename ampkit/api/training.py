@@ -47,12 +47,13 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         OptimizerState.hold_scaled(states, scaler)
         raise
     if delay_unscale:
-        OptimizerState.hold_scaled(states, scaler)
+        OptimizerState.hold_scaled(states, scaler, widen=True)
         return
     if not any(st.received_gradients() for st in states):
-        OptimizerState.hold_scaled(states, scaler)
         if any(ms.holds_gradients_back() for st in states for ms in st.model_states):
+            OptimizerState.hold_scaled(states, scaler, widen=True)
             return  # FSDP2 accumulates them unsharded (no sync): the synchronizing backward's block unscales
+        OptimizerState.hold_scaled(states, scaler)
         raise RuntimeError(_unreached(states, scale))
     check = OverflowCheck(run, scaler, states)
     for st in states:

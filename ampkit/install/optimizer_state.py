@@ -222,16 +222,19 @@ class OptimizerState:
             st.stage = Stage.IN_BLOCK
 
     @staticmethod
-    def hold_scaled(states, scaler) -> None:
+    def hold_scaled(states, scaler, widen: bool = False) -> None:
         """Leave the block with the gradients still scaled by ``scaler`` (``delay_unscale``, or
-        an error inside the block): one window, unscaled together later."""
+        an error inside the block): one window, unscaled together later. With ``widen``
+        (``delay_unscale``) the half gradients are summed, still scaled, into the fp32 master
+        gradients, so the window accumulates in fp32."""
         window = list({id(w): w for st in states for w in st.window + [st]}.values())
         for st in window:
             st.window = window
         for st in states:
             st.scaled_by = scaler
             st.stage = Stage.SCALED
-            st._sum_scaled_into_masters()
+            if widen:
+                st._sum_scaled_into_masters()
 
     def _sum_scaled_into_masters(self) -> None:
         """Add the half gradients, still scaled, to the fp32 master gradients (checked at the unscale)."""

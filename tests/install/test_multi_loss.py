@@ -249,9 +249,9 @@ def accumulate(level, mode, base, windows=2, poison=None):
                 with ampkit.scale_loss(loss, opt, delay_unscale=(mode == "delay" and i < 2)) as s:
                     s.backward()
                 if mode == "delay" and i == 0 and level in HALF_WEIGHTS and level != "O3":
-                    # Inside the window the masters are untouched; the model holds scaled grads.
-                    assert all(m.grad is None for m in ampkit.master_params(opt))
-                    assert model[0].weight.grad is not None
+                    # Inside the window the masters hold the scaled half grads, summed in fp32.
+                    assert opt._ampkit.masters_scaled and opt._ampkit.scaled_by is not None
+                    assert model[0].weight.grad is None and opt._ampkit.masters[model[0].weight].grad is not None
         grads.append([m.grad.clone() if m.grad is not None else None for m in ampkit.master_params(opt)])
         opt.step()
     return model, opt, grads
