@@ -4,6 +4,7 @@ import contextlib
 import torch
 
 from ..core import registry
+from ..core.logs import logger
 from ..install.optimizer_state import OptimizerState
 from ..install.optimizer_wrappers import OptimizerLike, unwrap
 from ..install.ddp_windows import reduce_windows
@@ -30,6 +31,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             ``optimizer.step()``.
     """
     opts, _ = as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
+    _notice_plain_accelerators(opts)
     opts = [unwrap(o) for o in opts]
     run = _run_of(opts)
     if not run.enabled:
@@ -61,6 +63,23 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     reduce_windows(states)
     if not delay_overflow_check:
         check.resolve()
+
+
+def _notice_plain_accelerators(wrappers) -> None:
+    """Say once per wrapper that accelerate's ``AcceleratedOptimizer`` comes from an Accelerator
+    ampkit was not attached to (``ampkit.integrations.accelerate`` marks those it adopts)."""
+    for w in wrappers:
+        state = getattr(unwrap(w), "_ampkit", None)
+        if (type(w).__name__ != "AcceleratedOptimizer" or getattr(w, "_ampkit_adopted", False)
+                or vars(w).get("_ampkit_noticed") or state is None or not state.run.enabled):
+            continue
+        w._ampkit_noticed = True
+        clip = ("its clip_grad_norm_/clip_grad_value_(model.parameters()) clip nothing (the gradients are in the "
+                "fp32 masters the optimizer steps on); " if state.masters else "")
+        logger.warning("ampkit: %s was prepared by an accelerate Accelerator that ampkit is not attached to: %s"
+                       "its optimizer_step_was_skipped misses ampkit's skipped steps (prepared LR schedulers do not "
+                       "hold) and its save_state the loss scalers. Use ampkit.integrations.accelerate."
+                       "AmpkitAccelerator(...), or attach(accelerator).", type(state.optimizer).__name__, clip)
 
 
 def _unreached(states, scale) -> str:

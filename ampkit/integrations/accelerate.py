@@ -72,7 +72,10 @@ class _Ampkit:
 
 
 class _SkipAware:
-    """An AcceleratedOptimizer whose ``step_was_skipped`` includes ampkit's skipped steps."""
+    """An AcceleratedOptimizer whose ``step_was_skipped`` includes ampkit's skipped steps
+    (``_ampkit_adopted``: ``scale_loss`` says when an AcceleratedOptimizer lacks it)."""
+
+    _ampkit_adopted = True
 
     @property
     def step_was_skipped(self) -> bool:

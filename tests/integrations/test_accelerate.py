@@ -118,3 +118,23 @@ def test_mixed_precision_other_than_no_is_refused():
     net, opt = ampkit.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O5", verbosity=0)
     with pytest.raises(ValueError, match="mixed_precision='no'"):
         accelerator.prepare(net, opt)
+
+
+@pytest.mark.parametrize("level, masters", [("O2", True), ("O5", True), ("O1", False)])
+def test_a_plain_accelerator_is_named_once_with_the_fix(level, masters, caplog):
+    batches = make_batches(3)
+    accelerator = Accelerator(cpu=True)
+    net = make_net()
+    net, opt = ampkit.initialize(net, make_optimizer(net.parameters()), **level_options(level))
+    net, opt = accelerator.prepare(net, opt)
+    with caplog.at_level("WARNING", logger="ampkit"):
+        train(accelerator, net, opt, None, batches, clip=1.0)
+    said = [r.getMessage() for r in caplog.records if "not attached" in r.getMessage()]
+    assert len(said) == 1 and "AmpkitAccelerator" in said[0] and "attach(accelerator)" in said[0]
+    assert ("clip nothing" in said[0]) == masters
+    caplog.clear()
+    attach(accelerator)  # then nothing more is said
+    with caplog.at_level("WARNING", logger="ampkit"):
+        train(accelerator, net, opt, None, batches, clip=1.0)
+        train(*setup(level)[:3], None, batches, clip=1.0)
+    assert not [r for r in caplog.records if "not attached" in r.getMessage()]
