@@ -27,6 +27,11 @@ FULL = dict(
     compile_lm=LMConfig(vocab=256, d_model=256, n_heads=4, n_layers=2, seq_len=64, batch=16), compile_steps=20,
     compile_big=("O0", "O5"),
     update_params=1 << 24, update_steps=10,
+    convergence=dict(seeds=3, curve_points=4, tasks=dict(  # sized to 45 minutes on 2 cores shared with 4 test suites
+        cnn=dict(steps=60, batch=128, lr=3e-3),
+        mlp=dict(steps=300, batch=128, lr=2e-3),
+        gpt=dict(steps=80, lr=3e-3, windows=128,
+                 lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=16)))),
 )
 QUICK = dict(  # small enough for emulated half precision too; no transformer rows in the compile family
     overhead_lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch=4),
@@ -39,6 +44,11 @@ QUICK = dict(  # small enough for emulated half precision too; no transformer ro
     compile_lm=LMConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4), compile_steps=3,
     compile_big=(),
     update_params=1 << 20, update_steps=4,
+    convergence=dict(seeds=2, curve_points=2, tasks=dict(
+        cnn=dict(steps=16, batch=32, lr=3e-3, limit=2000),
+        mlp=dict(steps=30, batch=64, lr=1e-3, limit=2000),
+        gpt=dict(steps=16, lr=3e-3, windows=16,
+                 lm=LMConfig(vocab=256, d_model=32, n_heads=2, n_layers=1, seq_len=32, batch=8)))),
 )
 # FULL's shapes for a family whose half dtype this CPU emulates (``--size auto``): there a bf16 or
 # fp16 matmul runs 3-60x slower than in fp32, and FULL would take an hour per family.

@@ -108,6 +108,14 @@ def scaled_backward(opt, loss):
         scaled.backward()
 
 
+def seed_rounding(opt, seed):
+    """Seed ampkit's stochastic rounding of ``opt``'s updates, where its level rounds stochastically."""
+    try:
+        ampkit.stochastic_rounding.manual_seed(seed, opt)
+    except RuntimeError:  # the level rounds to nearest: nothing to seed
+        pass
+
+
 def build(name, spec, lr, device, seed=0):
     """Variant ``name``: the LM seeded with ``seed``, its optimizer, and how it backpropagates a loss."""
     torch.manual_seed(seed)
@@ -116,10 +124,7 @@ def build(name, spec, lr, device, seed=0):
         level, overrides = LEVELS[name]
         opt = torch.optim.AdamW(model.parameters(), lr=lr, **peers.ADAMW)
         model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
-        try:
-            ampkit.stochastic_rounding.manual_seed(seed, opt)
-        except RuntimeError:  # the level rounds to nearest: nothing to seed
-            pass
+        seed_rounding(opt, seed)
         return model, opt, partial(scaled_backward, opt)
     model = model.to(torch.bfloat16)
     return model, peers.make(name, model, lr), torch.Tensor.backward
@@ -144,8 +149,9 @@ def seeded_batches(spec, seed, device, train):
     return batches[:train], batches[train:]
 
 
-def footprint(name, model, opt):
-    mem = persistent_bytes([model], [opt]) if name in LEVELS else peers.state_bytes(model, opt)
+def footprint(model, opt, by_ampkit):
+    """Persistent bytes (``by_ampkit``: ampkit's own count, else ``peers.state_bytes``) and bytes per parameter."""
+    mem = persistent_bytes([model], [opt]) if by_ampkit else peers.state_bytes(model, opt)
     return {"memory": mem, "bytes_per_param": (mem["total"] - mem["buffers"]) / mem["params"],
             "elementwise_bytes_per_param": (mem["total"] - mem["buffers"] - mem["optimizer_scalars"]) / mem["params"]}
 
@@ -171,7 +177,7 @@ def train_worker(spec, name, lr, steps, threads, seed, device, train, *, report)
         held = mean(lm_loss(model(x).float(), y).item() for x, y in held_out)
     fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
     return {"losses": losses, "heldout": held, "step_ms": 1e3 * median(times[5:] or times), "first_step_s": times[0],
-            **footprint(name, model, opt), "fp8_layers": len(fp8),
+            **footprint(model, opt, name in LEVELS), "fp8_layers": len(fp8),
             "emulated": sorted({str(m.config.emulate) for m in fp8}),
             "fp8_matmul_here": float8.has_fp8_matmul(device) if fp8 else None}
 

@@ -22,16 +22,19 @@ def make_optimizer(params, kind="sgd"):
 
 
 class AmpkitLoop:
-    """The README loop."""
+    """The README loop; ``opt`` (an optimizer over ``model``) instead of ``opt_kind``'s, ``overrides`` to ``initialize``."""
 
-    def __init__(self, model, level, loss_fn, opt_kind="sgd"):
-        opt = make_optimizer(model.parameters(), opt_kind)
-        self.model, self.opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    def __init__(self, model, level, loss_fn, opt_kind="sgd", opt=None, **overrides):
+        opt = opt or make_optimizer(model.parameters(), opt_kind)
+        self.model, self.opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
         self.loss_fn = loss_fn
+
+    def predict(self, x):
+        return self.model(x)
 
     def step(self, x, y):
         self.opt.zero_grad()
-        loss = self.loss_fn(self.model(x), y)
+        loss = self.loss_fn(self.predict(x), y)
         with ampkit.scale_loss(loss, self.opt) as scaled:
             scaled.backward()
         self.opt.step()
@@ -43,17 +46,19 @@ class AmpkitLoop:
 class AutocastLoop:
     """Hand-written O1/O4: torch.autocast + torch.amp.GradScaler (init scale 2**16 or 1.0)."""
 
-    def __init__(self, model, dtype, init_scale, loss_fn, device, opt_kind="sgd"):
+    def __init__(self, model, dtype, init_scale, loss_fn, device, opt_kind="sgd", opt=None):
         self.model, self.dtype, self.loss_fn, self.device = model, dtype, loss_fn, device
-        self.opt = make_optimizer(model.parameters(), opt_kind)
+        self.opt = opt or make_optimizer(model.parameters(), opt_kind)
         self.init_scale = init_scale
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
 
+    def predict(self, x):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.model(x).float()
+
     def step(self, x, y):
         self.opt.zero_grad()
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-            out = self.model(x)
-        loss = self.loss_fn(out.float(), y)
+        loss = self.loss_fn(self.predict(x), y)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()

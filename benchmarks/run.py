@@ -2,9 +2,12 @@
 
     python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling,compile,update]
                              [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N] [--size auto|full|small]
+    python benchmarks/run.py --only convergence [--quick] [--json PATH] [--fashion-mnist DIR] [--text DIR] [--jobs N]
 
 The families, in order: overhead, speedup, unscale, memory, scaling, compile, update; each one's
 docstring (``benchmarks/families/<name>.py``) says what it measures, how, and its targets.
+An eighth, convergence (every level and peer trained on Fashion-MNIST and real text over seeds, against
+O0; about 45 minutes on 2 cores, on data a Debian package installs), runs only when ``--only`` names it.
 
 Each family is a module of ``benchmarks/families/`` (its measurement, its report lines and its
 targets); the shared helpers are ``benchmarks/common.py`` and the timed training loops
@@ -32,7 +35,8 @@ from ampkit.apps.demo import machine
 
 from common import FULL, QUICK, Log, default_threads, finish, table
 
-FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update")
+FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update", "convergence")
+DEFAULT = FAMILIES[:-1]  # convergence: only when named
 
 
 def family(name: str):
@@ -60,7 +64,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="ampkit benchmarks (see docs/benchmarks/)")
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run, not valid for the targets")
     p.add_argument("--json", metavar="PATH", help="write machine, config and results as JSON")
-    p.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument("--only", default=",".join(DEFAULT), help=f"comma-separated subset of {','.join(FAMILIES)} "
+                   f"(default: all but convergence)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one less per busy core by the load average)")
@@ -70,6 +75,11 @@ def main(argv=None):
     p.add_argument("--compile-levels", default="native",
                    help="levels of the compile family: native (O0 and those ampkit.capabilities() calls fast here; "
                         "the default), all, or a comma-separated list")
+    p.add_argument("--fashion-mnist", metavar="DIR", help="convergence: the folder of Fashion-MNIST's four IDX .gz files "
+                   "(default: where apt-get install dataset-fashion-mnist puts them)")
+    p.add_argument("--jobs", type=int, default=1, help="convergence: tasks trained at once, each in its own process")
+    p.add_argument("--text", metavar="DIR", help="convergence: a folder of plain text files (default: where apt-get "
+                   "install fortunes puts them)")
     args = p.parse_args(argv)
     only = args.only.split(",")
     unknown = set(only) - set(FAMILIES)
