@@ -5,8 +5,11 @@ before ``accelerator.prepare``), and makes its ``Accelerator`` an ampkit one
 (``ampkit.integrations.accelerate.attach``): ``backward`` runs in ``scale_loss``, ``max_grad_norm``
 clips the fp32 masters, a skipped step is reported as skipped (the LR scheduler holds). Its
 checkpoints hold ampkit's loss scalers and rounding state (``ampkit.pt``) beside the optimizer.
+A saved model holds float32 weights (ampkit's ``state_dict``: the fp32 masters), and its
+``config.json`` says ``float32``, so ``from_pretrained`` gives them back as saved.
 Leave ``fp16``/``bf16`` off: ampkit does the mixed precision.
 """
+import copy
 import os
 from typing import Optional
 
@@ -43,6 +46,14 @@ class AmpkitTrainer(Trainer):
         if getattr(inner, "_ampkit", None) is None:
             initialize(self.model, inner, opt_level=self.opt_level, **self.ampkit_options)
         return optimizer
+
+    def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
+        super()._save(output_dir, state_dict)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if self.args.should_save and getattr(model, "_ampkit", None) is not None and model.dtype != torch.float32:
+            config = copy.deepcopy(model.config)  # save_pretrained named the model's half dtype
+            config.dtype = torch.float32  # that of the weights ampkit's state_dict saved
+            config.save_pretrained(output_dir or self.args.output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

@@ -109,3 +109,14 @@ def test_a_model_initialized_before_the_trainer_keeps_its_batch_columns(level, t
     t.train()
     assert t.state.global_step == 4
     assert all(torch.isfinite(w).all() for w in weights(t.model))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5", "O7", "remainder"])
+def test_save_model_reloads_as_saved(level, tmp_path):
+    t = trainer(tmp_path, level, steps=2)
+    t.train()
+    t.save_model(str(tmp_path / "final"))
+    saved = t.model.state_dict()  # float32: the masters, or the half weights widened
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")).state_dict()
+    assert {v.dtype for v in saved.values()} == {v.dtype for v in reloaded.values()} == {torch.float32}
+    assert all(torch.equal(reloaded[k], v) for k, v in saved.items())
