@@ -48,8 +48,7 @@ def soak(kind: str, launches: int, log: Log) -> dict:
     started, outcomes = time.perf_counter(), []
     for i in range(launches):
         outcomes.append(launch(kind))
-        if outcomes[-1]["rc"]:
-            log(kind, f"launch {i + 1}/{launches}: exit code {outcomes[-1]['rc']}, abort {outcomes[-1]['abort']}")
+        log(kind, f"launch {i + 1}/{launches}: exit code {outcomes[-1]['rc']}" + (", abort" if outcomes[-1]["abort"] else ""))
     return {"job": kind, "launches": launches, "failed": sum(o["rc"] != 0 for o in outcomes),
             "aborts": sum(o["abort"] for o in outcomes), "wall_s": time.perf_counter() - started}
 

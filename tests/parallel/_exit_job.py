@@ -47,8 +47,9 @@ def main(kind: str, checkpoint_dir: str = "") -> None:
     loss = steps(net, optimizer, rank)
     if kind == "fsdp":
         save_sharded(checkpoint_dir, net, optimizer)
-    dist.all_reduce(loss)
-    print(f"rank {rank}: {kind} done, loss {loss.item():.4f}", flush=True)
+    losses = [torch.empty_like(loss) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, loss)
+    print(f"rank {rank}: {kind} done, losses {[round(x.item(), 4) for x in losses]}", flush=True)
     dist.destroy_process_group()
 
 
