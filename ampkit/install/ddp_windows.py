@@ -24,37 +24,47 @@ class Window:
     def __init__(self, ddp: torch.nn.Module):
         self.ddp = weakref.ref(ddp)
         self.model_states: List = []  # the ampkit models inside ddp.module
-        self.pending = False  # the last synchronizing forward ran without the reducer: reduce()
-        self._muted = False
+        self.muted = False  # the last forward ran without the reducer: ampkit reduces its backwards
+        self.stale = False  # a backward wrote local gradients since the last reduce()
+        self._restore = False
 
     def before_forward(self, ddp, args) -> None:
         """A synchronizing forward while earlier micro-batches' gradients are held: mute the reducer."""
-        if torch.is_grad_enabled() and ddp.require_backward_grad_sync and self._holds_gradients(ddp):
+        self.muted = self.stale = (torch.is_grad_enabled() and ddp.require_backward_grad_sync
+                                   and self._holds_gradients(ddp))
+        if self.muted:
             ddp.require_backward_grad_sync = False
-            self._muted = self.pending = True
+            self._restore = True
 
     def after_forward(self, ddp, args, output) -> None:
-        if self._muted:
-            self._muted = False
+        if self._restore:
+            self._restore = False
             ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
 
     def _holds_gradients(self, ddp) -> bool:
         return (any(p.grad is not None for p in ddp.module.parameters())
                 or any(m.grad is not None for ms in self.model_states for m in ms.masters.values()))
 
-    def reduce(self) -> None:
-        """Average the window's gradients (fp32 masters' where they exist) over the ranks."""
-        self.pending = False
+    def reduce(self, stepped: set) -> None:
+        """Average over the ranks the gradients of the parameters in ``stepped`` (the optimizers'
+        whose backward ended: fp32 masters where they exist): every rank calls the same collectives."""
+        self.stale = False
         ddp = self.ddp()
         if ddp is None:
             return
         masters = {p: m for ms in self.model_states for p, m in ms.masters.items()}
-        grads = [masters.get(p, p).grad for p in ddp.module.parameters() if p.requires_grad]
+        params = [masters.get(p, p) for p in ddp.module.parameters() if p.requires_grad and masters.get(p, p) in stepped]
+        if ddp.find_unused_parameters:  # a parameter another rank used gets the average; one no rank used stays None
+            used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+            torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX, group=ddp.process_group)
+            params = [p for p, u in zip(params, used.tolist()) if u]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         reduction = getattr(ddp, "_ampkit_reduction", None) or _Average(ddp.process_group)
         groups = {}
-        for g in grads:
-            if g is not None:
-                groups.setdefault((g.device, g.dtype, g.is_sparse), []).append(g)
+        for p in params:
+            groups.setdefault((p.grad.device, p.grad.dtype, p.grad.is_sparse), []).append(p.grad)
         for (_, _, sparse), group in groups.items():
             if sparse:
                 for g in group:
@@ -100,9 +110,21 @@ def watch_active(model_state) -> None:
         watch(ddp, model_state)
 
 
+def mark_windows(states) -> None:
+    """A backward begins (``scale_loss``): after a muted forward, its gradients are ampkit's to reduce."""
+    for w in _windows(states):
+        w.stale = w.muted
+
+
 def reduce_windows(states) -> None:
-    """Reduce the windows whose synchronizing backward ampkit took over (see the module docstring)."""
-    windows = {id(w): w for st in states for ms in st.model_states
-               for w in [getattr(ms, "ddp_window", None)] if w is not None and w.pending}
-    for w in windows.values():
-        w.reduce()
+    """Reduce the gradients of ``states``' optimizers that a muted forward's backward wrote (see the
+    module docstring)."""
+    stepped = {p for st in states for p in st.step_params()}
+    for w in _windows(states):
+        if w.stale:
+            w.reduce(stepped)
+
+
+def _windows(states):
+    return list({id(w): w for st in states for ms in st.model_states
+                 for w in [getattr(ms, "ddp_window", None)] if w is not None}.values())

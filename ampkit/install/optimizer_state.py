@@ -20,7 +20,7 @@ import torch
 from ..core.levels import HALF_DTYPES
 from ..core.scaler import copy_unscale_and_check_, unscale_and_check_
 from . import fused_update
-from .ddp_windows import reduce_windows
+from .ddp_windows import mark_windows, reduce_windows
 from .overflow import OverflowCheck
 from .step_hooks import hooks_set_aside, run_post_hooks, run_pre_hooks, unhooked_step
 
@@ -220,6 +220,7 @@ class OptimizerState:
         for st in states:
             st._set_aside()
             st.stage = Stage.IN_BLOCK
+        mark_windows(states)
 
     @staticmethod
     def hold_scaled(states, scaler, widen: bool = False) -> None:

@@ -75,7 +75,7 @@ def _worker(rank, world_size):
     all_reduce = dist.all_reduce
 
     def counted(tensor, *args, **kwargs):
-        reductions[0] += tensor.numel() > 1  # the overflow flag is one element
+        reductions[0] += tensor.is_floating_point() and tensor.numel() > 1  # not the overflow flag (one element)
         return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counted
