@@ -1,3 +1,5 @@
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,15 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    """Inductor's compiled kernels cached per CPU capability, unless ``TORCHINDUCTOR_CACHE_DIR`` names a cache:
+    inductor's keys leave ``ATEN_CPU_CAPABILITY`` out, so the numerics pass on torch's portable kernels would
+    otherwise load the AVX2/AVX512 kernels an earlier run of the suite compiled, and fail to build them."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        capability = torch.backends.cpu.get_cpu_capability()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"ampkit-inductor-{capability}-{os.getuid()}")
 
 
 def pytest_collection_modifyitems(config, items):
