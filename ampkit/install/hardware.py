@@ -48,6 +48,7 @@ _OPS = ("matmul", "conv")
 _MATMUL = 256  # a square matmul: about 0.3 ms in float32 on one CPU core
 _CONV = (4, 16, 16)  # batch, channels (in = out), side: a 3x3 convolution, forward and backward
 _REPS = 5  # timed rounds after one warm-up call each; the medians are kept
+_CLEAR = 3.0  # after 2 rounds a dtype above this multiple of float32's slowest time on an op class is done there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,14 +201,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clearly_slower(samples: Dict[Tuple[str, str], list], op: str, name: str) -> bool:
+    """Whether 2 or more samples of dtype ``name`` on ``op`` all exceed ``_CLEAR`` times float32's slowest."""
+    return len(samples[op, name]) >= 2 and min(samples[op, name]) > _CLEAR * max(samples[op, "float32"])
+
+
 def _timings(device: torch.device) -> Dict[str, Dict[str, float]]:
     """Median seconds of one call per op class and dtype: a warm-up round, then ``_REPS`` rounds, each
-    through every dtype in turn (load that comes and goes falls on all of them alike)."""
+    through every dtype in turn (load that comes and goes falls on all of them alike). An emulated
+    dtype (tens of times float32's time) leaves after 2 rounds, once every sample shows it."""
     with torch.enable_grad(), torch.inference_mode(False), torch.autocast(device.type, enabled=False):
         calls = {(op, name): fn for name, dtype in _DTYPES.items() for op, fn in _workloads(device, dtype).items()}
         samples = {key: [] for key in calls}
         for rep in range(_REPS + 1):
             for key, fn in calls.items():
+                if _clearly_slower(samples, *key):
+                    continue
                 _sync(device)
                 start = time.perf_counter()
                 fn()

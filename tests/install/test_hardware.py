@@ -5,6 +5,7 @@ import importlib
 import json
 import logging
 import os
+import types
 
 import pytest
 import torch
@@ -241,6 +242,28 @@ def test_the_probe_times_every_op_class_in_every_dtype():
     seconds = caps_module._timings(torch.device("cpu"))  # the real probe: its shape, not its numbers
     assert set(seconds) == {"matmul", "conv"}
     assert all(set(row) == {"float32", "bfloat16", "float16"} and all(t > 0 for t in row.values()) for row in seconds.values())
+
+
+def test_the_probe_alternates_the_dtypes_and_lets_an_emulated_one_leave_early(monkeypatch):
+    """A fake clock: each call advances it by its dtype's cost (float16 emulated: 40x). Every dtype gets a
+    warm-up and 2 timed rounds; float16 then leaves (all its samples over 3x float32's), the others take
+    all 5; the medians are the costs."""
+    clock, calls = [0.0], []
+    cost = {"float32": 1.0, "bfloat16": 0.5, "float16": 40.0}
+
+    def workloads(device, dtype):
+        name = str(dtype).removeprefix("torch.")
+
+        def call(op):
+            calls.append((op, name))
+            clock[0] += cost[name] * (2 if op == "conv" else 1)
+        return {op: (lambda op=op: call(op)) for op in ("matmul", "conv")}
+    monkeypatch.setattr(caps_module, "_workloads", workloads)
+    monkeypatch.setattr(caps_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    seconds = caps_module._timings(torch.device("cpu"))
+    assert seconds == {"matmul": cost, "conv": {k: 2 * v for k, v in cost.items()}}
+    assert [calls.count(("matmul", n)) for n in ("float32", "bfloat16", "float16")] == [6, 6, 3]
+    assert calls[:6] == [(op, n) for n in ("float32", "bfloat16", "float16") for op in ("matmul", "conv")]  # alternating
 
 
 def test_the_probe_runs_under_no_grad_inference_mode_and_autocast():
