@@ -33,6 +33,7 @@ from ..core import registry
 from ..install.optimizer_wrappers import unwrap
 from ..parallel import DistributedDataParallel
 from ..pipeline.initialize import add_optimizers, initialize
+from .mixins import with_mixin
 from .schedulers import hold_on_skipped_steps
 
 __all__ = ["AmpkitPrecision", "PrecisionReportCallback"]
@@ -61,7 +62,7 @@ class AmpkitPrecision(Precision):
         elif new:  # a later fit of a module cast before (by a fit, or an evaluation)
             self._check_cast(module, models)
             add_optimizers(models, new, "AmpkitPrecision")
-        self.optimizers, self._module = list(optimizers), module
+        self.optimizers, self._module = list(optimizers), with_mixin(module, _Toggling)
         for config in lr_schedulers:
             if config.interval == "step" or not module.automatic_optimization:
                 hold_on_skipped_steps(config.scheduler)
@@ -115,6 +116,26 @@ class AmpkitPrecision(Precision):
     def load_state_dict(self, state: dict) -> None:
         if state:
             load_state_dict(state, optimizer=self.optimizers[0])
+
+
+class _Toggling:
+    """A LightningModule whose ``toggle_optimizer``/``untoggle_optimizer`` (which set ``requires_grad``
+    on the optimizers' ``param_groups``: fp32 masters) reach the model parameters behind the masters."""
+
+    def toggle_optimizer(self, optimizer) -> None:
+        super().toggle_optimizer(optimizer)
+        _mirror_masters(self.trainer.optimizers)
+
+    def untoggle_optimizer(self, optimizer) -> None:
+        super().untoggle_optimizer(optimizer)
+        _mirror_masters(self.trainer.optimizers)
+
+
+def _mirror_masters(optimizers) -> None:
+    """Each model parameter that has an fp32 master requires a gradient as its master does."""
+    for opt in optimizers:
+        for param, master in unwrap(opt)._ampkit.masters.items():
+            param.requires_grad_(master.requires_grad)
 
 
 def _rewrapped(ddp: nn.parallel.DistributedDataParallel, optimizers: list) -> nn.Module:

@@ -272,3 +272,44 @@ def test_a_second_fit_at_another_level_is_refused_with_the_level_to_use():
     fit(lit, make_batches(2), "O5")
     with pytest.raises(ValueError, match="opt_level='O2'.*cast at O5.*opt_level='O5' or 'auto'"):
         fit(lit, make_batches(2), "O2")
+
+
+class TutorialGan(pl.LightningModule):
+    """A G step then a D step under manual optimization; with ``toggle``, as Lightning's GAN tutorial
+    (``toggle_optimizer``, zero_grad after the step), else zero_grad before each backward."""
+
+    def __init__(self, toggle):
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+        self.D = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.toggle, self.automatic_optimization = toggle, False
+
+    def training_step(self, batch, batch_idx):
+        real, z = batch
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        g_opt, d_opt = self.optimizers()
+        steps = ((g_opt, lambda: bce(self.D(self.G(z)).float(), ones)),
+                 (d_opt, lambda: bce(self.D(real).float(), ones) + bce(self.D(self.G(z).detach()).float(), zeros)))
+        for opt, loss in steps:
+            self.toggle_optimizer(opt) if self.toggle else opt.zero_grad()
+            self.manual_backward(loss())
+            opt.step()
+            if self.toggle:
+                opt.zero_grad()
+                self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.G.parameters()), make_optimizer(self.D.parameters())
+
+
+@pytest.mark.parametrize("level", ["O2", "O5", "O7"])
+def test_toggle_optimizer_freezes_the_other_models_parameters_behind_the_masters(level):
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    toggled, plain = TutorialGan(toggle=True), TutorialGan(toggle=False)
+    for gan in (toggled, plain):
+        fit(gan, batches, level, steps=6)
+    assert same(weights(toggled), weights(plain))
+    assert all(p.requires_grad for p in toggled.parameters())  # untoggled
