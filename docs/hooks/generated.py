@@ -11,7 +11,9 @@ Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdow
   ``tests/test_layers.py`` (read statically) and the modules found under ``ampkit/``.
 
 ``on_files`` adds the benchmark figures, plotted at build time by ``benchmarks/plot.py`` from the
-JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --json``).
+JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --json``), and the curves
+of each ``run.py --only convergence --json`` file under ``docs/benchmarks/convergence/``, whose tables
+``<!-- ampkit:convergence -->`` writes.
 
 The level and option tables import ``ampkit.core`` (and so torch, which ``ampkit[docs]`` installs
 with ampkit), and ``initialize``'s signature and docstring are read from the imported module
@@ -29,6 +31,7 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "docs" / "benchmarks" / "data"
 FIGURES = "benchmarks/figures"  # where the plots appear in the site
+CONVERGENCE = ROOT / "docs" / "benchmarks" / "convergence"
 
 
 def _load(path: Path, name: str):
@@ -188,6 +191,29 @@ def bench_figures() -> str:
     return "\n".join(out) if out else "No results are committed yet."
 
 
+def convergence_tables() -> str:
+    """Per committed convergence JSON: its machine, command, wall time, one table per task and the curves."""
+    plot = _load(ROOT / "benchmarks" / "plot.py", "ampkit_docs_plot")
+    out = []
+    for path in sorted(CONVERGENCE.glob("*.json")):
+        data = json.loads(path.read_text())
+        m, result = data["machine"], data["results"]["convergence"]
+        out += [f"### {m.get('cpu', '?')} ({path.name}{', --quick: not valid for the targets' if data.get('quick') else ''})", "",
+                f"{m.get('cores')} cores, {m.get('threads')} thread per run, torch {m.get('torch')}; 1-minute load average "
+                f"{m.get('load_average'):.1f} at the start and {data.get('load_average_end', float('nan')):.1f} at the end; "
+                f"{data['seconds'] / 60:.0f} minutes. Command: `python {' '.join(data.get('argv', []))}`.", ""]
+        for task, cfg in result["tasks"].items():
+            headers, cells = plot.convergence_table(result["rows"], task)
+            out += [f"**{task}**: {plot.convergence_metric(task)[0]}, {cfg['steps']} steps x {cfg['seeds']} seeds", "",
+                    "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            out += ["| " + " | ".join(c.replace("|", "&#124;") for c in row) + " |" for row in cells] + [""]
+        if data.get("targets"):
+            out += ["**targets** (as the script judged them)", "", "| target | measured | met |", "|---|---|---|"]
+            out += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in data["targets"]] + [""]
+        out += [f"![Held-out metric against steps on {m.get('cpu')}](figures/convergence-{path.stem}.png)", ""]
+    return "\n".join(out) if out else "No results are committed yet."
+
+
 def _cell(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
@@ -198,6 +224,7 @@ MARKERS = {
     "<!-- ampkit:options -->": options_list,
     "<!-- ampkit:api-top -->": api_top,
     "<!-- ampkit:layers -->": layers_svg,
+    "<!-- ampkit:convergence -->": convergence_tables,
 }
 
 
@@ -223,6 +250,10 @@ def benchmark_figures() -> dict:
         buffer = io.BytesIO()
         plot.plot(data["results"], data["machine"], buffer)
         out[f"{FIGURES}/{path.stem}.png"] = buffer.getvalue()
+    for path in sorted(CONVERGENCE.glob("*.json")):
+        data, buffer = json.loads(path.read_text()), io.BytesIO()
+        plot.plot_convergence(data["results"]["convergence"], data["machine"], buffer)
+        out[f"{FIGURES}/convergence-{path.stem}.png"] = buffer.getvalue()
     return out
 
 
