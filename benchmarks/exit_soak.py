@@ -8,7 +8,8 @@ launches: DDP at O1, or FSDP2 at O5 with a sharded save, then print and
 ``--burners`` processes spin on the CPUs. A launch fails when torchrun exits non-zero; an abort
 is a failed launch whose output has ``terminate called`` (pytorch/pytorch#190489, what
 ``ampkit/parallel/clean_exit.py`` works around). Target: 0 failed launches of 50, each job.
-``--quick`` runs 3 launches of each to check that everything runs.
+The JSON keeps the end of each failed launch's output. ``--quick`` runs 3 launches of each to
+check that everything runs.
 """
 import argparse
 import multiprocessing
@@ -41,7 +42,8 @@ def launch(kind: str) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", JOB, kind,
                os.path.join(tmp, "checkpoint")]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    return {"rc": proc.returncode, "abort": "terminate called" in proc.stdout + proc.stderr}
+    output = proc.stdout + proc.stderr
+    return {"rc": proc.returncode, "abort": "terminate called" in output, "tail": output[-3000:] if proc.returncode else ""}
 
 
 def soak(kind: str, launches: int, log: Log) -> dict:
@@ -50,7 +52,8 @@ def soak(kind: str, launches: int, log: Log) -> dict:
         outcomes.append(launch(kind))
         log(kind, f"launch {i + 1}/{launches}: exit code {outcomes[-1]['rc']}" + (", abort" if outcomes[-1]["abort"] else ""))
     return {"job": kind, "launches": launches, "failed": sum(o["rc"] != 0 for o in outcomes),
-            "aborts": sum(o["abort"] for o in outcomes), "wall_s": time.perf_counter() - started}
+            "aborts": sum(o["abort"] for o in outcomes), "wall_s": time.perf_counter() - started,
+            "failures": [o["tail"] for o in outcomes if o["rc"]]}
 
 
 def main() -> None:
