@@ -48,18 +48,18 @@ def plot(results: dict, machine: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-CONVERGENCE_UNITS = {"gpt": ("held-out loss (nats/byte)", 1, "{:.4f}")}  # the image tasks: accuracy in %
-ACCURACY = ("test accuracy (%)", 100, "{:.2f}")
+CONVERGENCE_UNITS = {"gpt": ("held-out loss (nats/byte)", 1, "{:.4f}", 0.5)}  # the image tasks: accuracy in %
+ACCURACY = ("test accuracy (%)", 100, "{:.2f}", 5.0)
 
 
 def convergence_metric(task: str) -> tuple:
-    """``(label, factor to the shown unit, format)`` of a convergence task's metric."""
+    """``(label, factor to the shown unit, format, a gap to O0 off the curves' scale)`` of a convergence task's metric."""
     return CONVERGENCE_UNITS.get(task, ACCURACY)
 
 
 def convergence_table(rows: list, task: str) -> tuple:
     """``(headers, cells)`` of the convergence family's table for ``task`` (every cell a string)."""
-    _, unit, fmt = convergence_metric(task)
+    _, unit, fmt, _ = convergence_metric(task)
 
     def num(row, key, form, scale=1.0):
         return "-" if row.get(key) is None else form.format(row[key] * scale)
@@ -87,17 +87,19 @@ def plot_convergence(result: dict, machine: dict, path) -> None:
     colors = plt.get_cmap("tab20")
     fig, axes = plt.subplots(2, len(tasks), figsize=(4.6 * len(tasks) + 2.4, 7), squeeze=False, sharex="col")
     for col, task in enumerate(tasks):
-        label, unit, _ = convergence_metric(task)
+        label, unit, _, off_scale = convergence_metric(task)
         mine = [r for r in rows if r["task"] == task]
         base = next((r["curve"] for r in mine if r["variant"] == "O0"), None)
-        for r in mine:
+        off = [r for r in mine if abs(r.get("gap", 0) * unit) > off_scale]
+        for r in (r for r in mine if r not in off):
             style = dict(color=colors(names.index(r["variant"]) % 20), linewidth=1.2, label=r["variant"],
                          linestyle="--" if "control" in r["variant"] else "-" if r["variant"][:1] == "O" else ":")
             steps = [s for s, _ in r["curve"]]
             axes[0][col].plot(steps, [v * unit for _, v in r["curve"]], **style)
             if base is not None:
                 axes[1][col].plot(steps, [(v - b) * unit for (_, v), (_, b) in zip(r["curve"], base)], **style)
-        axes[0][col].set(title=task, ylabel=label)
+        axes[0][col].set(title=task + "".join(f"\n{r['variant']} off the scale: {r['gap'] * unit:+.2f}" for r in off),
+                         ylabel=label)
         axes[1][col].set(xlabel="step", ylabel="minus O0's")
     handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines()}
     fig.legend([handles[n] for n in names if n in handles], [n for n in names if n in handles], loc="center right",
