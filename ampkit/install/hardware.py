@@ -1,7 +1,7 @@
 """How fast a device computes in half precision, what each opt level buys there, and ``"auto"``.
 
 ``capabilities(device)`` measures it: a probe of well under a second times a matmul and a
-convolution (forward and backward) in float32, bfloat16 and float16 on the device, medians of a
+convolution (forward and backward) in float32, bfloat16 and float16 on the device, the fastest of a
 few alternating calls, cached as JSON under the kernels' cache root (``$AMPKIT_CACHE_DIR``, default
 ``~/.cache/ampkit``) per machine (CPU name and flags, or GPU), torch version and thread count. A
 half dtype is fast where it takes at most ``FAST`` of float32's time on every op class, slower
@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import statistics
 import tempfile
 import time
 from typing import Callable, Dict, Optional, Tuple
@@ -47,7 +46,7 @@ _DTYPES = {"float32": torch.float32, **HALVES}
 _OPS = ("matmul", "conv")
 _MATMUL = 256  # a square matmul: about 0.3 ms in float32 on one CPU core
 _CONV = (4, 16, 16)  # batch, channels (in = out), side: a 3x3 convolution, forward and backward
-_REPS = 5  # timed rounds after one warm-up call each; the medians are kept
+_REPS = 5  # timed rounds after one warm-up call each; the fastest is kept
 _CLEAR = 3.0  # after 2 rounds a dtype above this multiple of float32's slowest time on an op class is done there
 
 
@@ -207,9 +206,10 @@ def _clearly_slower(samples: Dict[Tuple[str, str], list], op: str, name: str) ->
 
 
 def _timings(device: torch.device) -> Dict[str, Dict[str, float]]:
-    """Median seconds of one call per op class and dtype: a warm-up round, then ``_REPS`` rounds, each
-    through every dtype in turn (load that comes and goes falls on all of them alike). An emulated
-    dtype (tens of times float32's time) leaves after 2 rounds, once every sample shows it."""
+    """Seconds of one call per op class and dtype, the fastest of ``_REPS`` rounds after a warm-up round,
+    each round through every dtype in turn: other work on the machine only ever adds time, so the
+    fastest round is the one it disturbed least. An emulated dtype (tens of times float32's time)
+    leaves after 2 rounds, once every sample shows it."""
     with torch.enable_grad(), torch.inference_mode(False), torch.autocast(device.type, enabled=False):
         calls = {(op, name): fn for name, dtype in _DTYPES.items() for op, fn in _workloads(device, dtype).items()}
         samples = {key: [] for key in calls}
@@ -223,7 +223,7 @@ def _timings(device: torch.device) -> Dict[str, Dict[str, float]]:
                 _sync(device)
                 if rep:
                     samples[key].append(time.perf_counter() - start)
-    return {op: {name: statistics.median(samples[op, name]) for name in _DTYPES} for op in _OPS}
+    return {op: {name: min(samples[op, name]) for name in _DTYPES} for op in _OPS}
 
 
 def _probe_key(device: torch.device) -> dict:
