@@ -18,9 +18,9 @@ torchao's stochastically rounded AdamW and AdamW8bit, optimi's Kahan AdamW, bits
 each where it imports). Everyone gets AdamW with ``peers.ADAMW``'s betas, eps and weight decay, the
 task's learning rate with a linear warm-up over the first 5% of the steps and a linear decay to 0.
 
-A half dtype that this machine runs slowly on a task's model (a training step in it over ``SLOW``
-times fp32's, measured before the runs: float16 convolutions on many CPUs) runs its variants on the
-MLP only; their rows on the other tasks say so.
+A half dtype that this machine runs slowly on a task's model (a forward and backward of the model cast
+to it over ``SLOW`` times fp32's, measured before the runs: float16 convolutions on many CPUs) runs its
+variants on the MLP only; their rows on the other tasks say so.
 
 Seeds 0..n-1: a seed fixes the initial weights (``torch.manual_seed``), the order of the data
 (a seeded generator) and the rounding (``ampkit.stochastic_rounding.manual_seed``; torchao draws from
@@ -30,12 +30,12 @@ paired by seed with the gap's standard error and 95% interval (Student's t), byt
 time against O0's and O5's in the same run (sequential runs: on a loaded machine indicative only),
 and the held-out metric against steps (on a fixed subset: the first 1000 test images, or all the held-out windows).
 Each task trains all its variants and seeds in one fresh process (a variant that fails is reported so);
-``--jobs N`` runs N tasks at once (on a machine shared with other work, a fairer share of it: the step
-times are then indicative only, and are anyway).
+``--jobs N`` runs N tasks at once (their step times then share the machine too: compare them within a task).
 
 Targets: every ampkit level within 0.3 accuracy points of O0 on Fashion-MNIST (its gap's 95% interval
 reaching zero or above), within 0.01 nats on text; O7 bf16 state and O8 at least as close to O0 as the
-peers in their memory class; the round-to-nearest controls behind O0 (their gap's interval below zero).
+peers in their memory class (within the level's standard error); the round-to-nearest controls behind
+O0 (their gap's interval clear of zero on the worse side).
 """
 import math
 import time
