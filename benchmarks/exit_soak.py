@@ -2,8 +2,7 @@
 
     python benchmarks/exit_soak.py [--quick] [--launches 50] [--jobs ddp,fsdp] [--burners 1] [--json PATH]
 
-Each launch runs ``tests/parallel/_exit_job.py`` (the job ``tests/parallel/test_clean_exit.py``
-launches: DDP at O1, or FSDP2 at O5 with a sharded save, then print and
+Each launch runs ``benchmarks/exit_job.py`` (DDP at O1, or FSDP2 at O5 with a sharded save, then print and
 ``destroy_process_group``) under ``torchrun --standalone --nproc_per_node 2``, while
 ``--burners`` processes spin on the CPUs. A launch fails when torchrun exits non-zero; an abort
 is a failed launch whose output has ``terminate called`` (pytorch/pytorch#190489, what
@@ -27,7 +26,7 @@ from common import Log, finish, table  # noqa: E402
 from ampkit.apps.demo import machine  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "parallel", "_exit_job.py")
+JOB = os.path.join(ROOT, "benchmarks", "exit_job.py")
 
 
 def burn() -> None:

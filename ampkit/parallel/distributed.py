@@ -16,6 +16,7 @@ from torch.autograd import Variable
 
 from ..core.errors import NoEffectWarning
 from ..install.ddp_windows import watch
+from .clean_exit import guard_exit
 
 __all__ = ["DistributedDataParallel"]
 
@@ -228,6 +229,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._ampkit_reduction = state  # an accumulation window's sum is reduced with the same arithmetic
         if hasattr(module, "_ampkit"):
             watch(self, module._ampkit)
+        guard_exit()
 
     def enable_allreduce(self) -> None:
         """Reduce gradients again from the next forward on (after gradient accumulation)."""

@@ -1,11 +1,10 @@
 """A small job that finishes, prints and destroys its process group, as most torchrun scripts end.
 
-    torchrun --standalone --nproc_per_node 2 tests/parallel/_exit_job.py ddp|fsdp [CHECKPOINT_DIR]
+    torchrun --standalone --nproc_per_node 2 benchmarks/exit_job.py ddp|fsdp [CHECKPOINT_DIR]
 
 ``ddp``: a few O1 steps through ampkit's ``DistributedDataParallel``; ``fsdp``: a few O5 steps
 with ``initialize(..., fsdp=True)``, then a sharded save to ``CHECKPOINT_DIR``. Launched many
-times by ``tests/parallel/test_clean_exit.py`` and ``benchmarks/exit_soak.py``, which count
-the launches that do not exit 0.
+times by ``benchmarks/exit_soak.py``, which counts the launches that do not exit 0.
 """
 import sys
 
