@@ -28,9 +28,9 @@ FULL = dict(
     compile_big=("O0", "O5"),
     update_params=1 << 24, update_steps=10,
     convergence=dict(seeds=3, curve_points=4, tasks=dict(  # sized to 45 minutes on 2 cores shared with 4 test suites
-        cnn=dict(steps=60, batch=128, lr=3e-3),
-        mlp=dict(steps=300, batch=128, lr=2e-3),
-        gpt=dict(steps=80, lr=3e-3, windows=128,
+        cnn=dict(steps=120, batch=128, lr=3e-3),
+        mlp=dict(steps=400, batch=128, lr=2e-3),
+        gpt=dict(steps=150, lr=3e-3, windows=128,
                  lm=LMConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq_len=64, batch=16)))),
 )
 QUICK = dict(  # small enough for emulated half precision too; no transformer rows in the compile family
