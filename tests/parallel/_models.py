@@ -38,3 +38,14 @@ def shard(batch, rank, world_size):
 
 def params(model):
     return [p.detach().float().clone() for p in model.parameters()]
+
+
+def micro_batches(steps, micro, per_rank=4, rank=None, world_size=2):
+    """Per step, ``micro`` micro-batches ``(x, y)`` (4 -> 3): rank ``rank``'s slice of each, or (one
+    process, ``rank=None``) all ranks' samples together."""
+    g = torch.Generator().manual_seed(1)
+    n = world_size * per_rank
+    data = [[(torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)) for _ in range(micro)] for _ in range(steps)]
+    if rank is None:
+        return data
+    return [[shard(batch, rank, world_size) for batch in step] for step in data]

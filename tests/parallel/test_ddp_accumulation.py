@@ -16,6 +16,7 @@ import ampkit
 from ampkit.parallel import DistributedDataParallel
 
 from ._launch import run
+from ._models import micro_batches
 
 LEVELS = {"O0": {}, "O1": {}, "O2": {}, "O3": {}, "O4": {}, "O5": {}, "O7": {}, "O8": {},
           "O7/bf16_state": {"optimizer_state_dtype": torch.bfloat16}, "remainder": {"master_weights": "remainder"}}
@@ -35,16 +36,6 @@ def _build(name):
     net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     return ampkit.initialize(net, opt, opt_level=_level(name), verbosity=0, max_loss_scale=2.0**10, **LEVELS[name])
-
-
-def _micro_batches(rank=None):
-    """Per step, MICRO micro-batches: a rank's own, or (one process) both ranks' together."""
-    g = torch.Generator().manual_seed(1)
-    data = [[(torch.randn(2 * PER_RANK, 4, generator=g), torch.randn(2 * PER_RANK, 3, generator=g))
-             for _ in range(MICRO)] for _ in range(STEPS)]
-    if rank is None:
-        return data
-    return [[tuple(t.chunk(2)[rank] for t in batch) for batch in step] for step in data]
 
 
 def _train(model, opt, data, mode, ddp=None):
@@ -87,7 +78,7 @@ def _worker(rank, world_size):
                 ddp = (DistributedDataParallel(model) if wrapper == "ampkit"
                        else torch.nn.parallel.DistributedDataParallel(model))
                 reductions[0] = 0
-                weights = _train(model, opt, _micro_batches(rank), mode, ddp)
+                weights = _train(model, opt, micro_batches(STEPS, MICRO, PER_RANK, rank), mode, ddp)
                 out[name, wrapper, mode] = {"weights": weights, "reductions": reductions[0]}
     return out
 
@@ -103,7 +94,7 @@ def single():
     for name in LEVELS:
         for mode in MODES:
             model, opt = _build(name)
-            out[name, mode] = _train(model, opt, _micro_batches(), mode)
+            out[name, mode] = _train(model, opt, micro_batches(STEPS, MICRO, PER_RANK), mode)
     return out
 
 

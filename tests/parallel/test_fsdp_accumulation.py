@@ -13,6 +13,7 @@ from torch import nn
 import ampkit
 
 from ._launch import run
+from ._models import micro_batches
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +31,6 @@ def _build(name, fsdp):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     level = "O5" if name == "remainder" else name.split("/")[0]
     return ampkit.initialize(net, opt, opt_level=level, verbosity=0, max_loss_scale=2.0**10, fsdp=fsdp, **LEVELS[name])
-
-
-def _micro_batches(rank=None):
-    g = torch.Generator().manual_seed(1)
-    data = [[(torch.randn(2 * PER_RANK, 4, generator=g), torch.randn(2 * PER_RANK, 3, generator=g))
-             for _ in range(MICRO)] for _ in range(STEPS)]
-    if rank is None:
-        return data
-    return [[tuple(t.chunk(2)[rank] for t in batch) for batch in step] for step in data]
 
 
 def _train(model, opt, data, mode, sharded):
@@ -61,7 +53,7 @@ def _worker(rank, world_size):
     for name in LEVELS:
         for mode in MODES:
             model, opt = _build(name, fsdp=True)
-            out[name, mode] = _train(model, opt, _micro_batches(rank), mode, sharded=True)
+            out[name, mode] = _train(model, opt, micro_batches(STEPS, MICRO, PER_RANK, rank), mode, sharded=True)
     return out
 
 
@@ -76,6 +68,6 @@ def test_ranks_agree_and_match_one_process(ranks, name, mode):
     a, b = (r[name, mode] for r in ranks)
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "the ranks' weights differ after accumulation"
     model, opt = _build(name, fsdp=False)
-    want = _train(model, opt, _micro_batches(), mode, sharded=False)
+    want = _train(model, opt, micro_batches(STEPS, MICRO, PER_RANK), mode, sharded=False)
     for got, w in zip(a, want):
         torch.testing.assert_close(got, w, **CLOSE.get(name, HALF_CLOSE))
