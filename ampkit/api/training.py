@@ -5,9 +5,9 @@ import torch
 
 from ..core import registry
 from ..core.logs import logger
+from ..install.ddp_windows import reduce_windows
 from ..install.optimizer_state import OptimizerState
 from ..install.optimizer_wrappers import OptimizerLike, unwrap
-from ..install.ddp_windows import reduce_windows
 from ..install.overflow import OverflowCheck
 from ..pipeline.request import as_list
 
