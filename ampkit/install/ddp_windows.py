@@ -26,7 +26,6 @@ class Window:
         self.model_states: List = []  # the ampkit models inside ddp.module
         self.muted = False  # the last forward ran without the reducer: ampkit reduces its backwards
         self.stale = False  # a backward wrote local gradients since the last reduce()
-        self._restore = False
 
     def before_forward(self, ddp, args) -> None:
         """A synchronizing forward while earlier micro-batches' gradients are held: mute the reducer."""
@@ -34,11 +33,10 @@ class Window:
                                    and self._holds_gradients(ddp))
         if self.muted:
             ddp.require_backward_grad_sync = False
-            self._restore = True
 
     def after_forward(self, ddp, args, output) -> None:
-        if self._restore:
-            self._restore = False
+        """The forward ``before_forward`` muted is over: DDP synchronizes again, as it was asked to."""
+        if self.muted:
             ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
 
     def _holds_gradients(self, ddp) -> bool:
