@@ -1,7 +1,7 @@
 """``python -m ampkit demo`` / ``python -m ampkit levels``."""
 import sys
 
-from .apps.cli import main
+from ._cli.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,4 @@
-"""``ampkit.checkpoint`` is ``ampkit.api.checkpoint`` (``import ampkit.checkpoint`` is public API)."""
-import sys
+"""Checkpoints of a whole training state: models, optimizers, loss scalers and the run, in one file."""
+from ._loop.checkpoint import CheckpointError, load, save
 
-from .api import checkpoint
-
-sys.modules[__name__] = checkpoint
+__all__ = ["CheckpointError", "save", "load"]

@@ -1,6 +1,4 @@
-"""``ampkit.errors`` is ``ampkit.core.errors`` (warning filters name ``ampkit.errors.NoEffectWarning``)."""
-import sys
+"""ampkit's warning classes (warning filters name ``ampkit.errors.NoEffectWarning``)."""
+from ._common.errors import NoEffectWarning
 
-from .core import errors
-
-sys.modules[__name__] = errors
+__all__ = ["NoEffectWarning"]

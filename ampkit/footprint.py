@@ -1,6 +1,4 @@
-"""``ampkit.footprint`` is ``ampkit.api.footprint`` (``import ampkit.footprint`` is public API)."""
-import sys
+"""Persistent bytes per parameter of models and optimizers: weights, masters, optimizer state, side tables."""
+from ._loop.footprint import bytes_per_param, persistent_bytes
 
-from .api import footprint
-
-sys.modules[__name__] = footprint
+__all__ = ["persistent_bytes", "bytes_per_param"]

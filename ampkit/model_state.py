@@ -1,6 +1,4 @@
-"""``ampkit.model_state`` is ``ampkit.install.model_state`` (pickled models name ``ampkit.model_state._rebuild``)."""
-import sys
+"""The pickle path of initialized models: a pickled model names ``ampkit.model_state._rebuild`` and its hooks."""
+from ._model.model_state import ModelState, _Float32StateDict, _MasterLoadSync, _rebuild  # noqa: F401
 
-from .install import model_state
-
-sys.modules[__name__] = model_state
+__all__ = ["ModelState"]

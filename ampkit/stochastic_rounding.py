@@ -1,10 +1,10 @@
 """Stochastic rounding of float32 to bfloat16 (O7), and reseeding the current run's rounding.
 
 The kernels and the rounder (seed and step of the counter bits) live in
-``ampkit.core.rounding``; see its docstring for how the rounding stays exactly unbiased.
+``ampkit._kernels.rounding``; see its docstring for how the rounding stays exactly unbiased.
 """
-from .core import registry
-from .core.rounding import StochasticRounder, round_all_to_bf16_, round_to_bf16_
+from ._kernels.rounding import StochasticRounder, round_all_to_bf16_, round_to_bf16_
+from ._run import registry
 
 __all__ = ["round_to_bf16_", "round_all_to_bf16_", "StochasticRounder", "manual_seed"]
 

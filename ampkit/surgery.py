@@ -1,6 +1,4 @@
-"""``ampkit.surgery`` is ``ampkit.install.surgery`` (``import ampkit.surgery`` is public API)."""
-import sys
+"""Module surgery: swap submodules by class, in place, keeping optimizers pointed at the model."""
+from ._model.surgery import replace_module_classes
 
-from .install import surgery
-
-sys.modules[__name__] = surgery
+__all__ = ["replace_module_classes"]

@@ -10,8 +10,8 @@ from statistics import median
 import torch
 
 import ampkit
-from ampkit.apps.demo_models import LMConfig
-from ampkit.core.text_table import format_table
+from ampkit._cli.demo_models import LMConfig
+from ampkit._common.text_table import format_table
 
 HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
 LR = 0.01

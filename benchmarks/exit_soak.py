@@ -6,7 +6,7 @@ Each launch runs ``benchmarks/exit_job.py`` (DDP at O1, or FSDP2 at O5 with a sh
 ``destroy_process_group``) under ``torchrun --standalone --nproc_per_node 2``, while
 ``--burners`` processes spin on the CPUs. A launch fails when torchrun exits non-zero; an abort
 is a failed launch whose output has ``terminate called`` (pytorch/pytorch#190489, what
-``ampkit/parallel/clean_exit.py`` works around). Target: 0 failed launches of 50, each job.
+``ampkit/_parallel/clean_exit.py`` works around). Target: 0 failed launches of 50, each job.
 The JSON keeps the end of each failed launch's output. ``--quick`` runs 3 launches of each to
 check that everything runs.
 """
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Log, finish, table  # noqa: E402
 
-from ampkit.apps.demo import machine  # noqa: E402
+from ampkit._cli.demo import machine  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "benchmarks", "exit_job.py")

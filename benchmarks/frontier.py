@@ -8,11 +8,11 @@ bf16 optimizers against O5, and O6 (fp8).
 Progress lines go to stderr as the runs go, with the seconds since each part started; each part's
 wall time is in its table heading and the JSON (``wall_s``).
 
-1. bf16 frontier: the demo LM (``ampkit.apps.demo.DEMO_LM``; ``--d-model`` for another width; where
+1. bf16 frontier: the demo LM (``ampkit._cli.demo.DEMO_LM``; ``--d-model`` for another width; where
    ``ampkit.capabilities()`` calls bfloat16 emulated, ``EMULATED_LM`` unless ``--size full``; ``--d-model`` sets the width)
    trained with AdamW for ``--steps`` steps at each of ``--lrs``. Variants: ampkit's O5, O5 with
    ``master_weights="remainder"``, O7 (fp32 optimizer state), O7 with bf16 state, O8 (where
-   ``ampkit.core.levels.OPT_LEVELS`` has it) and the control O7 with ``update_rounding="nearest"``;
+   ``ampkit._config.levels.OPT_LEVELS`` has it) and the control O7 with ``update_rounding="nearest"``;
    the peers of ``benchmarks/peers.py`` (plain ``torch.optim.AdamW`` on bf16 weights as the other
    control, torchao ``_AdamW`` and ``AdamW8bit`` with bf16 stochastic rounding, optimi ``AdamW`` with
    Kahan summation, bitsandbytes ``AdamW8bit``), each on the model cast to bf16; a peer whose library
@@ -45,7 +45,7 @@ wall time is in its table heading and the JSON (``wall_s``).
    against O5's (remainder and O7 1.00x, O7 bf16 state 1.05x, O8 1.3x); the controls more than 0.01
    worse; fp8 within 0.01.
 
-Each training run is a fresh process (``ampkit.apps.demo.isolated``). ``--device cuda`` runs the same
+Each training run is a fresh process (``ampkit._cli.demo.isolated``). ``--device cuda`` runs the same
 on a GPU; a variant that fails on the device is reported as skipped with its error.
 """
 import argparse
@@ -62,9 +62,9 @@ import torch
 import ampkit
 import peers  # benchmarks/peers.py
 from ampkit import float8
-from ampkit.apps.demo import DEMO_LM, isolated, machine
-from ampkit.apps.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
-from ampkit.core.levels import OPT_LEVELS
+from ampkit._cli.demo import DEMO_LM, isolated, machine
+from ampkit._cli.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
+from ampkit._config.levels import OPT_LEVELS
 from ampkit.footprint import persistent_bytes
 from common import Log, default_threads, emulated, table  # benchmarks/common.py: the same helpers
 

@@ -39,8 +39,8 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 import ampkit
-from ampkit.apps.demo import MemoryMeter, machine
-from ampkit.apps.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
+from ampkit._cli.demo import MemoryMeter, machine
+from ampkit._cli.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Log, emulated, finish, table  # noqa: E402  (benchmarks/common.py: the same helpers)

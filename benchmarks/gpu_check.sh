@@ -6,7 +6,7 @@
 #   2b. the update family on CUDA (the AdamW update alone per level against its bound; the fused
 #      O7 rows run one torch.compile Triton kernel per tensor, core/compiled_update.py, compiled
 #      in the warm-up steps; its bits against the CPU reference are checked in step 1's
-#      tests/core/test_compiled_update.py cuda test), JSON and table;
+#      tests/kernels/test_compiled_update.py cuda test), JSON and table;
 #   3. the demo on CUDA with its default sizing;
 #   4. a short frontier run on CUDA (benchmarks/frontier.py --quick: ampkit's bf16 levels and the
 #      peer optimizers that import, O6), JSON and tables.

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.apps.demo import MemoryMeter, isolated, peak_rss_bytes
-from ampkit.apps.demo_models import ConvNet, TinyLM, image_batches, lm_batches, lm_loss
+from ampkit._cli.demo import MemoryMeter, isolated, peak_rss_bytes
+from ampkit._cli.demo_models import ConvNet, TinyLM, image_batches, lm_batches, lm_loss
 
 from common import HALF, LR, lm_shape, params_of, timed  # benchmarks/common.py
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.apps.demo import DEMO_LM, MemoryMeter, isolated, machine
-from ampkit.apps.demo_models import ConvNet, TinyLM, image_batches, lm_batches, lm_loss
-from ampkit.core.text_table import format_table
+from ampkit._cli.demo import DEMO_LM, MemoryMeter, isolated, machine
+from ampkit._cli.demo_models import ConvNet, TinyLM, image_batches, lm_batches, lm_loss
+from ampkit._common.text_table import format_table
 
 
 def _model(name):

@@ -31,7 +31,7 @@ import time
 import torch
 
 import ampkit
-from ampkit.apps.demo import machine
+from ampkit._cli.demo import machine
 
 from common import FULL, QUICK, Log, default_threads, finish, table
 

@@ -2,11 +2,11 @@
 
     python benchmarks/update_speed.py [--steps N] [--threads N] [--size auto|full|small] [--tiny-batch] [--json PATH]
 
-AdamW on the demo LM (``ampkit.apps.demo.DEMO_LM``; where ``ampkit.capabilities()`` calls
+AdamW on the demo LM (``ampkit._cli.demo.DEMO_LM``; where ``ampkit.capabilities()`` calls
 bfloat16 emulated, ``--size auto`` takes frontier.py's ``EMULATED_LM``: its matmuls are
 small, so the optimizer step is a larger share of the step than on hardware with bf16).
 Variants: O5, remainder masters (O5 with ``master_weights="remainder"``), O7, O7 with bf16
-optimizer state, and O8 where ``ampkit.core.levels.OPT_LEVELS`` has it. Each step runs every
+optimizer state, and O8 where ``ampkit._config.levels.OPT_LEVELS`` has it. Each step runs every
 variant in turn (order reversed on odd steps), timing the whole step and the update alone
 (from the end of ``backward()``: leaving ``scale_loss``, where O5 moves the gradients, and
 ``opt.step()``); medians after 5 warm-up steps. The bound: bytes each variant's update moves
@@ -25,8 +25,8 @@ from statistics import median
 import torch
 
 import ampkit
-from ampkit.apps.demo import DEMO_LM, machine
-from ampkit.apps.demo_models import TinyLM, lm_batches, lm_loss
+from ampkit._cli.demo import DEMO_LM, machine
+from ampkit._cli.demo_models import TinyLM, lm_batches, lm_loss
 from frontier import EMULATED_LM  # benchmarks/frontier.py
 from common import default_threads, emulated, stream_gbps, table  # benchmarks/common.py
 
@@ -47,7 +47,7 @@ BYTES = {"O5": 2 + 8 + 16 + 2, "remainder": 6 + 4 + 16, "O7": 4 + 2 + 16, "O7 bf
 
 
 def variants():
-    return [v for v, (level, _) in VARIANTS.items() if level in ampkit.core.levels.OPT_LEVELS]
+    return [v for v, (level, _) in VARIANTS.items() if level in ampkit._config.levels.OPT_LEVELS]
 
 
 def timing(spec, names, steps, threads):

@@ -15,18 +15,18 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # ATEN_CPU_CAPABILITY=default and one thread. Paths are relative to tests/: a folder takes all of it,
 # a module all its tests, "module.py::test_name" one test (all its parameters).
 NUMERICS = (
-    "core/test_blockquant.py", "core/test_casting.py", "core/test_compiled_update.py", "core/test_fused_adamw_8bit.py",
-    "core/test_fused_masters.py", "core/test_ieee.py", "core/test_remainder.py", "core/test_rounding.py",
-    "core/test_scaler.py",
-    "install/test_apex_lists.py", "install/test_copies.py", "install/test_dropped_batches.py",
-    "install/test_float8.py", "install/test_fused_update.py", "install/test_fused_update_8bit.py",
-    "install/test_grad_kinds.py", "install/test_master_weights.py", "install/test_multi_loss.py",
-    "install/test_recurrent.py", "install/test_remainder_masters.py", "install/test_shared_blocks.py",
-    "install/test_state_8bit.py", "install/test_transient_update.py",
+    "kernels/test_blockquant.py", "model/test_casting.py", "kernels/test_compiled_update.py", "kernels/test_fused_adamw_8bit.py",
+    "kernels/test_fused_masters.py", "kernels/test_ieee.py", "kernels/test_remainder.py", "kernels/test_rounding.py",
+    "run/test_scaler.py",
+    "model/test_apex_lists.py", "model/test_copies.py", "loop/test_dropped_batches.py",
+    "model/test_float8.py", "update/test_fused_update.py", "update/test_fused_update_8bit.py",
+    "optim/test_grad_kinds.py", "optim/test_master_weights.py", "loop/test_multi_loss.py",
+    "model/test_recurrent.py", "update/test_remainder_masters.py", "update/test_shared_blocks.py",
+    "update/test_state_8bit.py", "update/test_transient_update.py",
     "normalization/", "parallel/",
-    "api/precision/test_ground_truth.py", "api/precision/test_report_api.py", "api/test_checkpoint.py",
-    "api/test_compile.py", "api/test_fp16_utils.py", "api/test_nonfinite_gradients.py",
-    "apex_compat/test_optimizers.py", "pipeline/test_initialize.py::test_training_reduces_loss",
+    "precision/test_ground_truth.py", "precision/test_report_api.py", "loop/test_checkpoint.py",
+    "loop/test_compile.py", "apex_api/test_fp16_utils.py", "loop/test_nonfinite_gradients.py",
+    "apex_compat/test_optimizers.py", "initialize/test_initialize.py::test_training_reduces_loss",
     "reliability/test_resume.py",
 )
 
@@ -38,10 +38,10 @@ def device(request):
 
 @pytest.fixture(scope="session")
 def lib():
-    """ampkit's C kernels (``ampkit/core/native.py``), for the tests that compare them with the
+    """ampkit's C kernels (``ampkit/_kernels/native.py``), for the tests that compare them with the
     eager references; those skip where there is no C compiler (the eager path is all there is)
     and fail where there is one but the kernels do not build."""
-    from ampkit.core import native
+    from ampkit._kernels import native
     built = native.library()
     if built is None and native.compiler() is None:
         pytest.skip("no C compiler here: the eager path is all there is")

@@ -13,13 +13,17 @@ import pytest
 PACKAGE = Path(importlib.util.find_spec("ampkit").origin).parent
 
 LAYERS = (  # (name, module prefixes); a module belongs to the layer of its longest prefix
-    ("core", ("ampkit.core",)),
-    ("install", ("ampkit.install", "ampkit.normalization", "ampkit.parallel")),
-    ("pipeline", ("ampkit.pipeline",)),
-    ("api", ("ampkit.api",)),
-    ("public", ("ampkit",)),  # the package and its top-level modules (public names, path shims)
+    ("common", ("ampkit._common", "ampkit._version")),  # files, logging, errors, CPU flags
+    ("config", ("ampkit._config",)),  # the levels and options, as data
+    ("kernels", ("ampkit._kernels",)),  # the numeric ops: references, C and compiled kernels
+    ("run", ("ampkit._run", "ampkit._hardware")),  # the loss scaler, the run, the registry; the machine
+    ("attach", ("ampkit._model", "ampkit._optim", "ampkit._update", "ampkit._parallel")),  # what initialize attaches
+    ("initialize", ("ampkit._initialize",)),  # initialize as named steps
+    ("loop", ("ampkit._loop", "ampkit._apex", "ampkit._precision")),  # the calls of a training loop; Apex's; the report
+    ("cli", ("ampkit._cli",)),  # python -m ampkit
+    ("public", ("ampkit",)),  # the package and its public modules: re-exports with __all__
     ("integrations", ("ampkit.integrations",)),  # one module per training framework
-    ("apps", ("ampkit.apps", "ampkit.apex_compat", "ampkit.__main__")),
+    ("apps", ("ampkit.apex_compat", "ampkit.__main__")),
 )
 
 
@@ -126,6 +130,17 @@ def test_no_import_cycle():
     assert cycles(graph(PACKAGE)) == []
 
 
+def is_private(name: str) -> bool:
+    """A module inside an ``_``-prefixed package or module (``ampkit._update.masters``); dunders are public."""
+    return any(p.startswith("_") and not p.startswith("__") for p in name.split(".")[1:])
+
+
+def test_no_private_module_imports_a_public_one():
+    edges = graph(PACKAGE)
+    bad = sorted((a, b) for a, deps in edges.items() if is_private(a) for b in deps if not is_private(b))
+    assert bad == [], "\n".join(f"{a} imports the public {b}" for a, b in bad)
+
+
 def test_the_bottom_layer_imports_nothing_above_itself():
     edges = graph(PACKAGE)
     core = {m: deps for m, deps in edges.items() if layer_of(m) == 0}
@@ -145,30 +160,37 @@ def _tree(tmp_path, files: dict) -> Path:
 
 def test_checker_finds_an_upward_import_inside_a_function(tmp_path):
     root = _tree(tmp_path, {
-        "__init__.py": "", "core/__init__.py": "", "api/__init__.py": "",
-        "core/run.py": "def current():\n    from ..api import state\n    return state\n",
-        "api/state.py": "from ..core import run\n",
+        "__init__.py": "", "_common/__init__.py": "", "_loop/__init__.py": "",
+        "_common/run.py": "def current():\n    from .._loop import state\n    return state\n",
+        "_loop/state.py": "from .._common import run\n",
     })
     edges = graph(root)
-    assert edges["ampkit.core.run"] == {"ampkit.api.state"}
-    assert upward(edges) == [("ampkit.core.run", "ampkit.api.state")]
-    assert cycles(edges) == [["ampkit.api.state", "ampkit.core.run"]]
+    assert edges["ampkit._common.run"] == {"ampkit._loop.state"}
+    assert upward(edges) == [("ampkit._common.run", "ampkit._loop.state")]
+    assert cycles(edges) == [["ampkit._common.run", "ampkit._loop.state"]]
 
 
 def test_checker_finds_literal_import_module_calls_and_plain_imports(tmp_path):
     root = _tree(tmp_path, {
-        "__init__.py": "", "core/__init__.py": "", "apps/__init__.py": "",
-        "core/a.py": "import importlib\nM = importlib.import_module('ampkit.apps.demo')\n",
-        "core/b.py": "import ampkit.core.a\n",
-        "apps/demo.py": "",
+        "__init__.py": "", "_common/__init__.py": "", "_cli/__init__.py": "",
+        "_common/a.py": "import importlib\nM = importlib.import_module('ampkit._cli.demo')\n",
+        "_common/b.py": "import ampkit._common.a\n",
+        "_cli/demo.py": "",
     })
     edges = graph(root)
-    assert edges["ampkit.core.a"] == {"ampkit.apps.demo"} and edges["ampkit.core.b"] == {"ampkit.core.a"}
-    assert upward(edges) == [("ampkit.core.a", "ampkit.apps.demo")]
+    assert edges["ampkit._common.a"] == {"ampkit._cli.demo"} and edges["ampkit._common.b"] == {"ampkit._common.a"}
+    assert upward(edges) == [("ampkit._common.a", "ampkit._cli.demo")]
 
 
-@pytest.mark.parametrize("name, layer", [("ampkit.core.run", "core"), ("ampkit.parallel.fsdp", "install"),
-                                         ("ampkit.parallel.clean_exit", "install"),
+@pytest.mark.parametrize("name, private", [("ampkit._update", True), ("ampkit._kernels.native", True),
+                                           ("ampkit.checkpoint", False), ("ampkit", False), ("ampkit.__main__", False),
+                                           ("ampkit.parallel", False), ("ampkit.integrations.lightning", False)])
+def test_is_private(name, private):
+    assert is_private(name) is private
+
+
+@pytest.mark.parametrize("name, layer", [("ampkit._run.run", "run"), ("ampkit._parallel.fsdp", "attach"),
+                                         ("ampkit._kernels.native", "kernels"), ("ampkit._cli.demo", "cli"),
                                          ("ampkit.checkpoint", "public"), ("ampkit", "public"),
                                          ("ampkit.apex_compat.__main__", "apps")])
 def test_layer_of(name, layer):

@@ -23,11 +23,11 @@ def _marked(path, test="test_x[O1]"):
 def test_marks_the_listed_paths_and_nothing_else():
     tests = REPO / "tests"
     assert _marked(tests / "normalization" / "test_layer_norm.py") == ["numerics"]  # in a listed folder
-    assert _marked(tests / "api" / "test_compile.py") == ["numerics"]  # a listed module
-    assert _marked(tests / "api" / "test_compile_more.py") == []  # a prefix of a name is not a match
-    assert _marked(tests / "apps" / "test_cli.py") == []
+    assert _marked(tests / "loop" / "test_compile.py") == ["numerics"]  # a listed module
+    assert _marked(tests / "loop" / "test_compile_more.py") == []  # a prefix of a name is not a match
+    assert _marked(tests / "cli" / "test_cli.py") == []
     assert _marked(REPO / "examples" / "test_x.py") == []  # outside tests/
-    module = tests / "pipeline" / "test_initialize.py"
+    module = tests / "initialize" / "test_initialize.py"
     assert _marked(module, "test_training_reduces_loss[O1-cpu]") == ["numerics"]  # a listed test
     assert _marked(module, "test_training_reduces_loss_more") == [] and _marked(module, "test_other") == []
 

@@ -29,14 +29,14 @@ ENV = "AMPKIT_APEX"  # "ampkit": stand in even over an installed Apex; "apex": u
 _ALIASES = {  # apex module -> the module it forwards to (None: the top-level package)
     "apex": None,
     "apex.amp": "ampkit",
-    "apex.amp._amp_state": "ampkit.api.apex_state",
+    "apex.amp._amp_state": "ampkit._apex.apex_state",
     "apex.parallel": "ampkit.parallel",
-    "apex.parallel.LARC": "ampkit.parallel.larc",
-    "apex.parallel.distributed": "ampkit.parallel.distributed",
-    "apex.parallel.sync_batchnorm": "ampkit.parallel.sync_batchnorm",
-    "apex.parallel.optimized_sync_batchnorm": "ampkit.parallel.sync_batchnorm",
+    "apex.parallel.LARC": "ampkit._parallel.larc",
+    "apex.parallel.distributed": "ampkit._parallel.distributed",
+    "apex.parallel.sync_batchnorm": "ampkit._parallel.sync_batchnorm",
+    "apex.parallel.optimized_sync_batchnorm": "ampkit._parallel.sync_batchnorm",
     "apex.normalization": "ampkit.normalization",
-    "apex.normalization.fused_layer_norm": "ampkit.normalization.fused",
+    "apex.normalization.fused_layer_norm": "ampkit._model.apex_norms",
     "apex.fp16_utils": "ampkit.fp16_utils",
     "apex.fp16_utils.fp16util": "ampkit.fp16_utils",
     "apex.fp16_utils.fp16_optimizer": "ampkit.fp16_utils",
@@ -195,7 +195,7 @@ def install(shadow_installed_apex=None) -> bool:
 
     ``shadow_installed_apex``: what to do when a real Apex is installed. None (the default)
     reads ``AMPKIT_APEX`` from the environment: ``"ampkit"`` stands in anyway, ``"apex"``
-    keeps the real Apex (and returns False); unset, an :class:`ApexInstalledError` says so
+    keeps the real Apex (and returns False); unset, an `ApexInstalledError` says so
     and names both choices. Call it before anything imports ``apex``, and before importing
     a library that decides at import time whether Apex is there (transformers does).
     """

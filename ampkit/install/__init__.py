@@ -1,2 +1,2 @@
-"""What initialize installs on models and optimizers: casting, autocast regions, master weights, the step
-protocol, overflow checks, the memory levels' updates and their state (the layer above core)."""
+"""Pickle paths of development builds between 0.2.0 and 0.3.0, which named ``ampkit.install.model_state``;
+nothing else lives here."""

@@ -5,16 +5,16 @@ mixed precision) whose ``prepare`` also registers ampkit's loss scalers for ``sa
 marks prepared optimizers so that ``optimizer_step_was_skipped`` (and the prepared schedulers,
 which then hold) see ampkit's skipped steps; ``clip_grad_norm_`` / ``clip_grad_value_`` of the
 model's parameters clip the fp32 masters the optimizer steps on; ``backward(loss)`` runs inside
-``ampkit.scale_loss`` unless it is already in one. :func:`attach` makes an existing
+``ampkit.scale_loss`` unless it is already in one. `attach` makes an existing
 ``Accelerator`` one (the transformers ``Trainer`` builds its own).
 """
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from ..api.state import step_was_skipped
-from ..api.training import scale_loss
-from ..install.optimizer_state import Stage
-from ..install.optimizer_wrappers import unwrap
+from .._loop.state import step_was_skipped
+from .._loop.training import scale_loss
+from .._optim.optimizer_state import Stage
+from .._optim.optimizer_wrappers import unwrap
 from .mixins import with_mixin
 from .stateful import AmpkitState
 
@@ -88,7 +88,7 @@ class AmpkitAccelerator(_Ampkit, Accelerator):
 
 
 def attach(accelerator: Accelerator) -> Accelerator:
-    """Make ``accelerator`` behave as an :class:`AmpkitAccelerator` (its class is swapped for a subclass
+    """Make ``accelerator`` behave as an `AmpkitAccelerator` (its class is swapped for a subclass
     of the same name); optimizers it already prepared are marked and registered too. Returns it."""
     with_mixin(accelerator, _Ampkit)
     accelerator._adopt_optimizers()

@@ -26,13 +26,13 @@ from lightning.pytorch import Callback
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from ..api.precision import precision_report
-from ..api.state import load_state_dict, loss_scalers, state_dict
-from ..api.training import master_params, scale_loss
-from ..core import registry
-from ..install.optimizer_wrappers import unwrap
+from .._initialize.initialize import add_optimizers, initialize
+from .._loop.state import load_state_dict, loss_scalers, state_dict
+from .._loop.training import master_params, scale_loss
+from .._optim.optimizer_wrappers import unwrap
+from .._precision import precision_report
+from .._run import registry
 from ..parallel import DistributedDataParallel
-from ..pipeline.initialize import add_optimizers, initialize
 from .mixins import with_mixin
 from .schedulers import hold_on_skipped_steps
 

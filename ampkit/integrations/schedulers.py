@@ -5,14 +5,14 @@ Frameworks step the scheduler after every optimizer step whether or not ampkit s
 schedule follows the updates actually made, as with ``if not ampkit.step_was_skipped(opt)``
 in a hand-written loop.
 """
-from ..api.state import step_was_skipped
+from .._loop.state import step_was_skipped
 from .mixins import with_mixin
 
 __all__ = ["hold_on_skipped_steps"]
 
 
 class _Held:
-    """Mixin placed in front of the scheduler's class by :func:`hold_on_skipped_steps`."""
+    """Mixin placed in front of the scheduler's class by `hold_on_skipped_steps`."""
 
     def step(self, *args, **kwargs):
         optimizer = getattr(self, "optimizer", None)

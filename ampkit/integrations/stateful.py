@@ -1,7 +1,7 @@
 """ampkit's run state (loss scalers, the rounder's seed and step) as an object with ``state_dict`` /
 ``load_state_dict``: what frameworks checkpoint beside the model and the optimizer."""
-from ..api.state import load_state_dict, state_dict
-from ..install.optimizer_wrappers import unwrap
+from .._loop.state import load_state_dict, state_dict
+from .._optim.optimizer_wrappers import unwrap
 
 __all__ = ["AmpkitState"]
 

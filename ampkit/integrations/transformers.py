@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 from transformers import Trainer
 
-from ..api.state import load_state_dict, state_dict
-from ..install.optimizer_wrappers import unwrap
-from ..pipeline.initialize import initialize
+from .._initialize.initialize import initialize
+from .._loop.state import load_state_dict, state_dict
+from .._optim.optimizer_wrappers import unwrap
 from .accelerate import attach
 
 __all__ = ["AmpkitTrainer", "STATE_NAME"]

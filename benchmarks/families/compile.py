@@ -17,8 +17,8 @@ from statistics import median
 import torch
 
 import ampkit
-from ampkit.apps.demo import isolated
-from ampkit.apps.demo_models import TinyLM, lm_batches, lm_loss
+from ampkit._cli.demo import isolated
+from ampkit._cli.demo_models import TinyLM, lm_batches, lm_loss
 
 from common import HALF, adamw_floor_bytes, lm_shape, params_of, stream_gbps, table, timed
 from loops import AmpkitLoop, CompiledAmpkitLoop, compiled_hand_loop

@@ -50,11 +50,11 @@ from torch import nn
 import peers  # benchmarks/peers.py
 import realdata
 from ampkit import float8
-from ampkit.apps.demo import isolated
-from ampkit.apps.demo_models import TinyLM, lm_loss
-from ampkit.apps.progress import Progress
-from ampkit.core.levels import OPT_LEVELS
-from ampkit.core.text_table import format_table
+from ampkit._cli.demo import isolated
+from ampkit._cli.demo_models import TinyLM, lm_loss
+from ampkit._cli.progress import Progress
+from ampkit._config.levels import OPT_LEVELS
+from ampkit._common.text_table import format_table
 from frontier import AMPKIT, first_line_of, footprint, seed_rounding
 from loops import AmpkitLoop, AutocastLoop
 from plot import convergence_metric, convergence_table

@@ -10,8 +10,8 @@ from statistics import median
 
 import torch
 
-from ampkit.apps.demo import isolated
-from ampkit.apps.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
+from ampkit._cli.demo import isolated
+from ampkit._cli.demo_models import LMConfig, TinyLM, lm_batches, lm_loss
 
 from common import lm_shape, sized, table, timed
 from loops import AmpkitLoop, hand_loop

@@ -1,6 +1,6 @@
 """5. scaling: step time and peak memory of O0 and O5 at x1, x4, x16 parameters.
 """
-from ampkit.apps.demo_models import LMConfig
+from ampkit._cli.demo_models import LMConfig
 
 from common import sized, table
 from loops import _merge, interleaved

@@ -5,11 +5,11 @@ AdamW on a model of a few large parameters whose loss is linear in them (so the 
 is one cheap pass and every variant sees the same gradients). Timed: from the end of
 ``backward()`` (leaving ``scale_loss``, where O5 moves the gradients to its masters, then
 ``opt.step()``), every variant in turn each step (order reversed on odd steps), medians after
-2 warm-up steps. Variants: O5 and remainder masters (fused AdamW: ``ampkit/core/fused_masters.py``,
+2 warm-up steps. Variants: O5 and remainder masters (fused AdamW: ``ampkit/_kernels/fused_masters.py``,
 one pass; O5's also moves the bf16 gradients into fp32 master gradients first), O7 and O7 with
-bf16 state (fused AdamW: ``ampkit/core/fused_adamw.py``, one pass; on CUDA one ``torch.compile``
-Triton kernel per tensor, ``ampkit/core/compiled_update.py``, compiled during the warm-up steps), O8 (fused:
-``ampkit/core/fused_adamw_8bit.py``), the same five through the optimizer's own step
+bf16 state (fused AdamW: ``ampkit/_kernels/fused_adamw.py``, one pass; on CUDA one ``torch.compile``
+Triton kernel per tensor, ``ampkit/_kernels/compiled_update.py``, compiled during the warm-up steps), O8 (fused:
+``ampkit/_kernels/fused_adamw_8bit.py``), the same five through the optimizer's own step
 (``AMPKIT_FUSED=0``; on CUDA, where the C kernels do not run, both rows take that step), ampkit's
 fused fp32 kernel alone on a float32 model, and torch's ``AdamW(fused=True)`` on a float32 model
 (the anchor a fused fp32 update should reach).
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.install import fused_update
+from ampkit._update import fused_update
 
 from common import _sync, table, timed
 from families.update_profile import COLUMNS, SMALL, profile
@@ -128,7 +128,7 @@ def one_step(name, model, opt, x, device) -> float:
 
 
 def bench_update(cfg: dict, device, threads: int, log) -> dict:
-    names = [n for n in VARIANTS if VARIANTS[n][0] is None or VARIANTS[n][0] in ampkit.core.levels.OPT_LEVELS]
+    names = [n for n in VARIANTS if VARIANTS[n][0] is None or VARIANTS[n][0] in ampkit._config.levels.OPT_LEVELS]
     n, steps = cfg["update_params"], cfg["update_steps"]
     log(f"{n} parameters, {len(names)} variants and two bandwidth probes, {steps} steps")
     loops = {}

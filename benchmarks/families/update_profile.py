@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from ampkit.core import fused_adamw, fused_adamw_8bit, fused_masters, native
-from ampkit.core.fused_adamw import Hyper
-from ampkit.core.rounding import round_counter_
+from ampkit._kernels import fused_adamw, fused_adamw_8bit, fused_masters, native
+from ampkit._kernels.fused_adamw import Hyper
+from ampkit._kernels.rounding import round_counter_
 
 SMALL, TINY = 1 << 16, 64  # elements: in the caches (about 1 MB at most), and the call's fixed cost
 HYPER = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0)

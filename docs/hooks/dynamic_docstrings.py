@@ -1,13 +1,13 @@
 """griffe extension (``mkdocs.yml``): what ampkit builds at import time, read from the one module that builds it.
 
-``initialize``'s signature and docstring come from ``ampkit/core/options.py`` when
-``ampkit/pipeline/initialize.py`` is imported; that module alone is imported here (it needs torch,
+``initialize``'s signature and docstring come from ``ampkit/_config/options.py`` when
+``ampkit/_initialize/initialize.py`` is imported; that module alone is imported here (it needs torch,
 which ``ampkit[docs]`` installs). The rest of the package is read statically, so the API pages build
 without the frameworks that ``ampkit.integrations`` imports (lightning, accelerate, transformers).
 """
 import griffe
 
-DYNAMIC = {"ampkit.pipeline.initialize": ("initialize",)}  # module -> functions whose docs it builds
+DYNAMIC = {"ampkit._initialize.initialize": ("initialize",)}  # module -> functions whose docs it builds
 
 
 class DynamicDocstrings(griffe.Extension):

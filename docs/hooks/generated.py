@@ -2,9 +2,9 @@
 
 Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdown``:
 
-* ``<!-- ampkit:levels -->``: the opt-level table, from ``ampkit.core.levels.markdown_table`` (what
+* ``<!-- ampkit:levels -->``: the opt-level table, from ``ampkit._config.levels.markdown_table`` (what
   ``ampkit levels`` prints, as markdown);
-* ``<!-- ampkit:options -->``: ``initialize``'s options, from ``ampkit.core.options.OPTIONS``;
+* ``<!-- ampkit:options -->``: ``initialize``'s options, from ``ampkit._config.options.OPTIONS``;
 * ``<!-- ampkit:api-top -->``: one mkdocstrings entry per public name of ``ampkit.__all__``,
   from the name -> defining module map in ``ampkit/__init__.py``;
 * ``<!-- ampkit:layers -->``: the package's layers as an inline SVG, from ``LAYERS`` in
@@ -15,7 +15,7 @@ JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --jso
 of each ``run.py --only convergence --json`` file under ``docs/benchmarks/convergence/``, whose tables
 ``<!-- ampkit:convergence -->`` writes.
 
-The level and option tables import ``ampkit.core`` (and so torch, which ``ampkit[docs]`` installs
+The level and option tables import ``ampkit._common`` (and so torch, which ``ampkit[docs]`` installs
 with ampkit), and ``initialize``'s signature and docstring are read from the imported module
 (``dynamic_docstrings.py``, a griffe extension); the rest of the site is read statically, so the
 frameworks of ``ampkit.integrations`` need not be installed.
@@ -44,13 +44,13 @@ def _load(path: Path, name: str):
 # --- generated markdown --------------------------------------------------------------------
 
 def levels_table() -> str:
-    from ampkit.core import levels
+    from ampkit._config import levels
 
     return levels.markdown_table()
 
 
 def options_list() -> str:
-    from ampkit.core.options import OPTIONS
+    from ampkit._config.options import OPTIONS
 
     lines = ["| option | default | what it does |", "|---|---|---|"]
     for o in OPTIONS:

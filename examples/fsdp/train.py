@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ampkit
-from ampkit.apps.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
+from ampkit._cli.demo_models import Block, LMConfig, TinyLM, lm_batches, lm_loss
 from ampkit.parallel import full_state_dict, load_sharded, save_sharded
 
 

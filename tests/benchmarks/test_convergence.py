@@ -3,7 +3,7 @@ any CPU, never a number measured on one."""
 import pytest
 
 import realdata
-from ampkit.core.levels import OPT_LEVELS
+from ampkit._config.levels import OPT_LEVELS
 from families import convergence
 
 # O6 needs its own extra; O3 (fp16 weights and AdamW state, no masters) does not train with AdamW's eps of 1e-8,

@@ -101,7 +101,7 @@ def site(tmp_path_factory):
 @pytest.mark.repo_files("mkdocs.yml", "docs")
 def test_the_site_builds_strictly_with_the_generated_parts(site):
     level_page = (site / "choosing-a-level.html").read_text()
-    from ampkit.core.levels import OPT_LEVELS
+    from ampkit._config.levels import OPT_LEVELS
 
     for level in OPT_LEVELS:
         assert f"<td>{level}</td>" in level_page  # the generated table, one row per level

@@ -48,7 +48,7 @@ def _worker(rank, world_size, level):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Wrapper()])
     trainer.fit(lit, torch.utils.data.DataLoader(batches, batch_size=None))
-    assert set(wrappers) == {"ampkit.parallel.distributed"}  # ampkit's DDP, around the cast model
+    assert set(wrappers) == {"ampkit._parallel.distributed"}  # ampkit's DDP, around the cast model
     got = weights(lit.net)
     expected = _reference(level, lit.seen)
     return same(got, expected), [w.sum().item() for w in got], len(lit.seen)
@@ -128,7 +128,7 @@ def _gan_worker(rank, world_size, level, strategy):
 def test_the_gan_of_lightnings_docs_under_ddp_with_its_options(level, strategy):
     ranks = run(_gan_worker, 2, level, strategy)
     for r in ranks:
-        assert r["wrapper"] == "ampkit.parallel.distributed" and r["find_unused_parameters"]
+        assert r["wrapper"] == "ampkit._parallel.distributed" and r["find_unused_parameters"]
         assert r["moved"] and r["finite"]  # every weight of G and D trained
     assert same(ranks[0]["weights"], ranks[1]["weights"])  # the ranks agree
     if strategy == "options":  # DDPStrategy's options reach ampkit's wrapper

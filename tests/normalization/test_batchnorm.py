@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from ampkit import NoEffectWarning
-from ampkit.normalization import batchnorm, convert_batchnorm, enable_mixed_input_batchnorm
-from ampkit.normalization.batchnorm import CastInputToFloat, CastOutputBack
+from ampkit._model import batchnorm
+from ampkit.normalization import convert_batchnorm, enable_mixed_input_batchnorm
+from ampkit._model.batchnorm import CastInputToFloat, CastOutputBack
 
 HALF = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}

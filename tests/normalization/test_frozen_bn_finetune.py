@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.normalization import batchnorm
+from ampkit._model import batchnorm
 
 HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
 # BatchNorm dtype after initialize, and the dtype of the activations it receives.

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ampkit.core.errors import NoEffectWarning
+from ampkit._common.errors import NoEffectWarning
 from ampkit.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
 
 PLAIN = [FusedLayerNorm, FusedRMSNorm]

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.core.errors import NoEffectWarning
+from ampkit._common.errors import NoEffectWarning
 from ampkit.normalization import LPLayerNorm, apply_low_precision_layernorm
 
 HALF = [torch.float16, torch.bfloat16]

@@ -26,9 +26,9 @@ import importlib.util
 import torch
 
 import ampkit
-from ampkit.core.rounding import StochasticRounder
+from ampkit._kernels.rounding import StochasticRounder
 from ampkit.parallel import full_state_dict, load_sharded, save_sharded
-from ampkit.parallel.reshard import saved_metadata, saved_template
+from ampkit._parallel.reshard import saved_metadata, saved_template
 
 from ._tiny import ALL_LEVELS, LEVELS, MATRIX_LEVELS, build, snapshot, train
 from .test_fsdp_world_size import _trained

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ampkit.parallel import clean_exit
+from ampkit._parallel import clean_exit
 
 from ._launch import run
 

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit.core.errors import NoEffectWarning
+from ampkit._common.errors import NoEffectWarning
 from ampkit.parallel import DistributedDataParallel, convert_syncbn_model
-from ampkit.parallel import distributed as ddp_impl
+from ampkit._parallel import distributed as ddp_impl
 
 from ._launch import run
 from ._models import Net, batches, make_net, params, shard

@@ -582,7 +582,7 @@ def test_transient_update_dcp_checkpoint_resumes_bit_exactly_in_new_processes(tr
 def test_load_sharded_refuses_metadata_that_dcp_did_not_write(tmp_path):
     import pickle
 
-    from ampkit.parallel.fsdp import check_metadata
+    from ampkit._parallel.fsdp import check_metadata
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)

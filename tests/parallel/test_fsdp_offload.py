@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.install import fused_update
+from ampkit._update import fused_update
 from ampkit.parallel import full_state_dict, load_sharded, save_sharded
-from ampkit.parallel.fsdp import is_sharded
+from ampkit._parallel.fsdp import is_sharded
 
 from ._launch import run
 from ._tiny import Block, assert_state_equal, batch, snapshot
@@ -118,8 +118,8 @@ def _steps_on_meshes(rank):
     the weights, the state, and the device types of the state's local parts and mesh."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from ampkit.core.rounding import StochasticRounder
-    from ampkit.install.shards import like
+    from ampkit._kernels.rounding import StochasticRounder
+    from ampkit._update.shards import like
 
     meshes = {"cuda": DeviceMesh("cuda", torch.arange(2), _init_backend=False), "cpu": init_device_mesh("cpu", (2,))}
     out = {}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.core.remainder import master, side_table
+from ampkit._kernels.remainder import master, side_table
 from ampkit.parallel import load_sharded, save_sharded
 
 from ._launch import run
@@ -50,9 +50,9 @@ class FusedShadow:
         self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
 
     def step(self):
-        from ampkit.core import native
-        from ampkit.core.fused_adamw import Hyper
-        from ampkit.core.fused_masters import step_master_
+        from ampkit._kernels import native
+        from ampkit._kernels.fused_adamw import Hyper
+        from ampkit._kernels.fused_masters import step_master_
         self.steps += 1
         for p, (m, v) in zip(self.params, self.state):
             step_master_(p, p.grad, m, v, Hyper(1e-3, 0.9, 0.999, 1e-8, 1e-2, True, False, float(self.steps)),

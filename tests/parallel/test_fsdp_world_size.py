@@ -107,7 +107,7 @@ def _gathered(v, p):
     parameter (each rank's local list, a split block's scale once: the ranks' copies are equal)."""
     import torch.distributed as dist
 
-    from ampkit.install.shared_blocks import block_first
+    from ampkit._update.shared_blocks import block_first
 
     if hasattr(v, "full_tensor"):
         return v.full_tensor().clone()

@@ -9,7 +9,7 @@ from torch import nn
 
 import ampkit
 from ampkit.fp16_utils import FP16_Optimizer
-from ampkit.core.registry import current as current_run
+from ampkit._run.registry import current as current_run
 from ampkit.parallel import LARC
 
 HALF = {"O2": torch.float16, "O5": torch.bfloat16}

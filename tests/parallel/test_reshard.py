@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-from ampkit.parallel.reshard import INCOMPLETE, check_complete, saved_metadata, saved_template
+from ampkit._parallel.reshard import INCOMPLETE, check_complete, saved_metadata, saved_template
 
 
 def _rows(n, seed=0):  # generator states as older O7/O8 sharded checkpoints saved them, one row per shard

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampkit.parallel import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
-from ampkit.parallel.sync_batchnorm import _SyncBatchNormFunction
+from ampkit._parallel.sync_batchnorm import _SyncBatchNormFunction
 
 from ._launch import run
 

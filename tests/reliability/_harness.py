@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.core.registry import current as current_run, of_optimizer
+from ampkit._run.registry import current as current_run, of_optimizer
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 DYNAMIC_LEVELS = {"O1", "O2"}  # the levels whose default loss scale is "dynamic"

@@ -17,7 +17,7 @@ from torch import nn
 
 import ampkit
 from ampkit import checkpoint
-from ampkit.core.registry import current as current_run
+from ampkit._run.registry import current as current_run
 
 OPTIMIZERS = {"O0": "sgd", "O2": "adamw", "O5": "adamw", "O8": "adamw"}
 OVERFLOW_EVERY = 7  # steps with step % 7 == 3 get an inf gradient: the scaler state matters

@@ -10,7 +10,7 @@ import collections
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ampkit.core.casting import cast_tree
+from ampkit._model.casting import cast_tree
 
 Pair = collections.namedtuple("Pair", "first second")
 FLOATING = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

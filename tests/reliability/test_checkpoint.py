@@ -265,7 +265,7 @@ def test_a_failed_save_keeps_the_previous_file(saved, monkeypatch):
 
 def _save_with_generators(monkeypatch, path, model, opt, generators):
     """A checkpoint in the layout of versions whose O7/O8 rounder also saved generator states."""
-    from ampkit.core.rounding import StochasticRounder
+    from ampkit._kernels.rounding import StochasticRounder
 
     real = StochasticRounder.state_dict
     monkeypatch.setattr(StochasticRounder, "state_dict", lambda self: {**real(self), "generators": generators})

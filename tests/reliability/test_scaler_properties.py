@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ampkit
-from ampkit.core.scaler import LossScaler
+from ampkit._run.scaler import LossScaler
 
 from ._harness import (
     FLT_MAX, FLT_TINY, Poison, ReferenceScaler, assert_unchanged, close, expected_scales, fixed_batch,

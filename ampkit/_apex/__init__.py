@@ -1,0 +1,1 @@
+"""Apex's surfaces before and beside amp: ``amp._amp_state`` and ``fp16_utils``."""

@@ -1,0 +1,1 @@
+"""``python -m ampkit``: the demo, the levels table, the precision report."""

@@ -1,0 +1,1 @@
+"""Small helpers every layer uses: files, logging, errors, CPU flags, text tables."""

@@ -1,0 +1,1 @@
+"""``initialize`` as named steps: request, plan, check, apply, report."""

@@ -1,0 +1,1 @@
+"""The numeric kernels: each fused op's eager reference beside its C and compiled kernels."""

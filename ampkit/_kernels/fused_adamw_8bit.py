@@ -1,0 +1,142 @@
+"""O8's AdamW step on one bfloat16 tensor with 8-bit state in one pass: the eager reference and the C kernel.
+
+The state is ``install/state_8bit.py``'s: ``m`` as int8 codes and ``v`` as uint8 e4m4 codes
+of ``sqrt(v)``, each with a float32 power-of-two scale per block of `BLOCK` elements
+(``core/blockquant.py``). The blocks lie on the full parameter's flat index: the element at
+global index ``g`` is in block ``g // BLOCK``, so a piece starting at ``first`` (an FSDP2
+shard) has a leading partial block when ``first % BLOCK != 0``; its scales are one per block
+it touches, each from its own elements. A step:
+
+1. widens ``m = code * scale`` and ``v = (code * scale) ** 2`` (float32);
+2. runs ``core/fused_adamw.py``'s arithmetic (its order of float32 operations);
+3. rounds the new weight to bfloat16 with the counter bits of stream 0;
+4. quantizes ``sqrt(v)`` with the draws of stream 2, then ``m`` with those of stream 1,
+   capped against the stored ``sqrt(v)``: ``|m| <= cap * sqrt(v)`` (``cap`` the optimizer's
+   bound of ``state_8bit.BOUNDED``, NaN for none), and 0 where that product is infinite.
+
+A step that would make a new weight non-finite writes nothing and returns False. The
+kernel works in place, writing the old weight, codes and scales to a backup as it reads
+them (4 bytes and 8/256 per element), and puts them back on such a step; the reference
+checks before writing.
+"""
+import ctypes
+import math
+from typing import Optional
+
+import torch
+
+from . import counter_bits, native
+from .blockquant import counter_draws, dequantize, quantize_
+from .fused_adamw import Hyper, arithmetic
+from .ieee import sqrt
+from .rounding import round_counter_
+
+__all__ = ["BLOCK", "span", "step_", "restore_", "backups"]
+
+BLOCK = 256
+
+
+def span(n: int, first: int) -> int:
+    """How many blocks (scales) the ``n`` elements from global index ``first`` touch."""
+    return 0 if n == 0 else (first + n - 1) // BLOCK - first // BLOCK + 1
+
+
+def step_eager(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int,
+               first: int) -> bool:
+    """The reference in torch ops on flat contiguous tensors: the blocks of
+    ``core/blockquant.py``, shifted by ``first % BLOCK`` leading zeros (which change no
+    block's scale and store code 0)."""
+    lead, n = first % BLOCK, w.numel()
+
+    def padded(t, fill, dtype=torch.float32):
+        return torch.cat([torch.full((lead,), fill, dtype=dtype), t.to(dtype)])
+
+    m = dequantize(padded(mq, 0, torch.int8), ms, torch.empty(lead + n), BLOCK)[lead:]
+    v = dequantize(padded(vq, 0, torch.uint8), vs, torch.empty(lead + n), BLOCK)[lead:].square()
+    p, m, v = arithmetic(w, grad, m, v, hyper)
+    if not bool(p.isfinite().all()):
+        return False
+    round_counter_(w, p, seed, step, tensor, 0, first)
+    draws = [padded(counter_draws(torch.empty(n, dtype=torch.int32), seed, step, tensor, s, first), 0, torch.int32)
+             for s in (1, 2)]
+    codes = torch.empty(lead + n, dtype=torch.uint8)
+    quantize_(codes, vs, padded(sqrt(v), 0.0), draws[1], BLOCK)
+    vq.copy_(codes[lead:])
+    limit = dequantize(codes, vs, torch.empty(lead + n), BLOCK).mul_(cap if math.isfinite(cap) else math.nan)
+    x = padded(m, 0.0).masked_fill_(limit.isinf(), 0.0)
+    codes = torch.empty(lead + n, dtype=torch.int8)
+    quantize_(codes, ms, x, draws[0], BLOCK, limit)
+    mq.copy_(codes[lead:])
+    return True
+
+
+def step_native(lib, w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int,
+                first: int, backup) -> bool:
+    """`step_eager` in one pass of the C kernel (flat contiguous CPU tensors), threads
+    over ranges cut at block boundaries; ``backup``: ``(w, m codes, v codes, m scales, v
+    scales)`` of the same sizes, the old values put back on a non-finite step."""
+    consts = (ctypes.c_float * 10)(*hyper.consts())
+    keys = [native.u64(counter_bits.key(seed, step, tensor, word)) for word in (0, 1)]
+    bad = ctypes.c_int64(0)
+    lib.adamw_8bit(*(native.ptr(t) for t in (w, grad, mq, ms, vq, vs)), ctypes.c_int64(w.numel()), ctypes.c_int64(first),
+                   *keys, consts, ctypes.c_float(cap if math.isfinite(cap) else math.nan),
+                   *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
+    if bad.value == 0:
+        return True
+    for t, b in zip((w, mq, vq, ms, vs), backup):
+        t.copy_(b)
+    return False
+
+
+def step_(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int, first: int,
+          lib: Optional[ctypes.CDLL] = None, backup: Optional[tuple] = None) -> bool:
+    """One AdamW step of bf16 ``w`` (its bf16 ``grad``; ``m`` as int8 codes ``mq`` and scales
+    ``ms``, ``v`` as uint8 codes ``vq`` of its square root and scales ``vs``, `span`
+    each) in place: with the kernel ``lib`` on CPU, else `step_eager`; the same bits
+    either way. ``cap``: the bound on ``|m| / sqrt(v)`` (inf or NaN: none). Returns False,
+    having written nothing, when a new weight would not be finite. The old values go to
+    ``backup`` (`backups`; fresh buffers when None), for `restore_`.
+    Non-contiguous tensors are stepped through contiguous copies."""
+    n = w.numel()
+    if ms.numel() != span(n, first) or vs.numel() != span(n, first) or mq.shape != w.shape or vq.shape != w.shape:
+        raise ValueError(f"fused_adamw_8bit.step_: codes of w's shape {tuple(w.shape)} and {span(n, first)} scales "
+                         f"each expected (first={first}), got {tuple(mq.shape)}, {tuple(vq.shape)}, "
+                         f"{ms.numel()} and {vs.numel()}.")
+    if n == 0:
+        return True
+    backup = backups([(n, span(n, first))], {})[0] if backup is None else backup
+    tensors = [w, grad, mq, ms, vq, vs]
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    views = [f.view(-1) for f in flat]
+    if lib is not None and w.device.type == "cpu":
+        wrote = step_native(lib, *views, hyper, cap, seed, step, tensor, first, backup)
+    else:
+        for b, t in zip(backup, (views[0], views[2], views[4], views[3], views[5])):
+            b.copy_(t)
+        wrote = step_eager(*views, hyper, cap, seed, step, tensor, first)
+    if wrote:
+        for t, f in zip(tensors, flat):
+            if f is not t and t is not grad:
+                t.copy_(f)
+    return wrote
+
+
+def restore_(w, mq, ms, vq, vs, backup: tuple) -> None:
+    """Put back the values a `step_` wrote to ``backup``."""
+    for t, b in zip((w, mq, vq, ms, vs), backup):
+        t.copy_(b.view(t.shape))
+
+
+def backups(sizes, scratch: dict) -> list:
+    """Backup buffers ``(w, m codes, v codes, m scales, v scales)`` for each ``(elements,
+    blocks)`` of ``sizes``, carved from flat buffers kept in ``scratch`` (grown when too small)."""
+    n, blocks = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+    if scratch.get("n", -1) < n or scratch.get("blocks", -1) < blocks:
+        scratch.update(n=n, blocks=blocks, w=torch.empty(n, dtype=torch.bfloat16), mq=torch.empty(n, dtype=torch.int8),
+                       vq=torch.empty(n, dtype=torch.uint8), s=torch.empty(2 * blocks))
+    out, at, bt = [], 0, 0
+    for k, b in sizes:
+        out.append((scratch["w"][at:at + k], scratch["mq"][at:at + k], scratch["vq"][at:at + k],
+                    scratch["s"][2 * bt:2 * bt + b], scratch["s"][2 * bt + b:2 * bt + 2 * b]))
+        at, bt = at + k, bt + b
+    return out

@@ -1,0 +1,140 @@
+"""AdamW / Adam on float32 masters in one pass: O5's masters and remainder masters.
+
+The arithmetic is `fused_adamw`'s (`.fused_adamw.Hyper`, float32, every
+operation rounded once, in its order), without stochastic rounding:
+
+* `step_master_`: an fp32 master ``x`` with its fp32 gradient and fp32 state; the
+  new master is written back and, when a bf16 model weight ``w`` is given, rounded into it
+  to nearest even (torch's own float32 -> bfloat16 conversion, as O5's copy to the model).
+* `step_remainder_`: a master held as bf16 ``w`` + int16 remainder ``r`` + side table
+  (``core/remainder.py``) with the bf16 gradient: the exact master is combined, stepped and
+  split back, weight, remainder and table as `.remainder.split_` writes them.
+
+Each has an eager torch reference (``*_eager``) and a C kernel (``core/native.py``) with the
+same bits on any chunk, shard or thread count; a remainder master stepped here equals the
+O5 master stepped by `step_master_` bit for bit. (NaN masters are the exception to
+"the same bits": their payload and bfloat16 pattern are not kept.)
+"""
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import native
+from .fused_adamw import Hyper, arithmetic
+from .remainder import combine, set_side_table, side_table, split_
+
+__all__ = ["step_master_", "step_remainder_"]
+
+RBLOCK = 512  # the remainder kernel's block (``core/native.py``): each call leaves room for one block's candidates
+
+
+def step_master_eager(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None) -> None:
+    """The reference: torch ops, one rounding each, on float32 ``x``, ``grad``, ``m``, ``v``;
+    then ``w`` (bf16, optional) ``= x`` rounded to nearest even."""
+    p, m32, v32 = arithmetic(x, grad, m, v, hyper)
+    m.copy_(m32)
+    v.copy_(v32)
+    x.copy_(p)
+    if w is not None:
+        w.copy_(p)
+
+
+def step_master_native(lib, x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor]) -> None:
+    """`step_master_eager` in one pass of the C kernel (contiguous flat CPU tensors)."""
+    consts = (ctypes.c_float * 10)(*hyper.consts())
+    lib.adamw_master(*(native.ptr(t) for t in (x, grad, m, v)), None if w is None else native.ptr(w),
+                     ctypes.c_int64(x.numel()), consts, native.threads(x.numel()))
+
+
+def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> None:
+    """One AdamW / Adam step of float32 master ``x`` (its float32 ``grad``, float32 state ``m``,
+    ``v``) in place, and ``w = x`` in bfloat16 when ``w`` is given: with the kernel ``lib`` on
+    CPU, else `step_master_eager`; the same bits either way."""
+    tensors = [x, grad, m, v] + ([] if w is None else [w])
+    _check(tensors, [torch.float32] * 4 + [torch.bfloat16], "step_master_", ["x", "grad", "m", "v", "w"])
+    if x.numel() == 0:
+        return
+    with _contiguous(tensors, written=[0, 2, 3, 4]) as flat:
+        if lib is not None and x.device.type == "cpu":
+            step_master_native(lib, *flat[:4], hyper, flat[4] if w is not None else None)
+        else:
+            step_master_eager(*flat[:4], hyper, flat[4] if w is not None else None)
+
+
+def step_remainder_eager(w, r, grad, m, v, hyper: Hyper) -> None:
+    """The reference: `.remainder.combine`, `step_master_eager` on the float32
+    master with the widened gradient, `.remainder.split_`."""
+    x = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    combine([w], [r], [x])
+    step_master_eager(x, grad.float(), m, v, hyper)
+    split_([w], [r], [x])
+
+
+def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tensor) -> torch.Tensor:
+    """`step_remainder_eager` in one pass of the C kernel (contiguous flat CPU tensors,
+    ``table`` ascending); returns the new side table."""
+    consts = (ctypes.c_float * 10)(*hyper.consts())
+    parts, todo = [], [(0, w.numel())]
+    while todo:  # the candidates are rare: a range whose buffer filled up goes on from where it stopped
+        lo, hi = todo.pop(0)
+        threads = native.threads(hi - lo)
+        k = threads.value
+        cap = RBLOCK + 64 + (hi - lo) // k // 4096
+        found, counts, done = torch.empty(k, cap, dtype=torch.int64), (ctypes.c_int64 * k)(), (ctypes.c_int64 * k)()
+        lib.adamw_remainder(*(native.ptr(t, lo) for t in (w, r, grad, m, v)), ctypes.c_int64(hi - lo),
+                            ctypes.c_int64(lo), native.ptr(table), ctypes.c_int64(table.numel()), native.ptr(found),
+                            ctypes.c_int64(cap), counts, done, consts, threads)
+        for t in range(k):
+            start, end = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k
+            parts.append((start, found[t, :counts[t]]))
+            if start + done[t] < end:
+                todo.append((start + done[t], end))
+    return parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
+
+
+def step_remainder_(w, r, grad, m, v, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:
+    """One AdamW / Adam step of the float32 master held as bfloat16 ``w`` and int16 ``r`` (and
+    its side table), with bfloat16 ``grad`` and float32 state ``m``, ``v``, in place: with the
+    kernel ``lib`` on CPU, else `step_remainder_eager`; the same bits either way."""
+    tensors = [w, r, grad, m, v]
+    _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32], "step_remainder_",
+           ["w", "r", "grad", "m", "v"])
+    if w.numel() == 0:
+        return
+    if lib is None or w.device.type != "cpu":
+        return step_remainder_eager(w, r, grad, m, v, hyper)
+    table = side_table(r)
+    table = table if table.numel() < 2 or bool((table[1:] > table[:-1]).all()) else table.sort().values
+    with _contiguous(tensors, written=[0, 1, 3, 4]) as flat:
+        found = step_remainder_native(lib, *flat, hyper, table.contiguous())
+    set_side_table(r, found)
+
+
+class _contiguous:
+    """Flat contiguous views of ``tensors`` (copies of the non-contiguous ones, whose entries
+    listed in ``written`` are copied back on exit)."""
+
+    def __init__(self, tensors, written):
+        self.tensors, self.written = tensors, written
+        self.flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+    def __enter__(self):
+        return [f.view(-1) for f in self.flat]
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            for i in self.written:
+                if i < len(self.tensors) and self.flat[i] is not self.tensors[i]:
+                    self.tensors[i].copy_(self.flat[i])
+        return False
+
+
+def _check(tensors, dtypes, fn: str, names) -> None:
+    for t, dtype, name in zip(tensors, dtypes, names):
+        if not torch.is_tensor(t) or t.dtype != dtype or t.is_sparse:
+            raise TypeError(f"{fn}: {name} must be a dense {dtype} tensor, got "
+                            f"{t.dtype if torch.is_tensor(t) else type(t).__name__}.")
+    if any(t.shape != tensors[0].shape for t in tensors) or len({t.device for t in tensors}) > 1:
+        raise ValueError(f"{fn}: {', '.join(names[:len(tensors)])} must have one shape and one device.")

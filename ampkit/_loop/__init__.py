@@ -1,0 +1,1 @@
+"""The calls of a training loop: scale_loss, master_params, state dicts, checkpoints, footprint."""

@@ -1,0 +1,1 @@
+"""What initialize attaches to a model: casting, autocasting, BatchNorm/LayerNorm surgery, copies."""

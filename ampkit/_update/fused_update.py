@@ -1,0 +1,181 @@
+"""Fused AdamW: ``torch.optim.AdamW`` / ``Adam`` steps in one pass per tensor.
+
+* O7 (``update_rounding="stochastic"``, float32 or bfloat16 optimizer state): the transient
+  update hands the bf16 parameters to ``core/fused_adamw.py``: gradient, weight and state
+  are read once and written once, with the stochastic rounding inside, in place of fp32
+  copies stepped by the optimizer and rounded back.
+* O5's fp32 masters of bf16 parameters (`step_masters`): master, its fp32 gradient
+  and the state are read once; master, state and the bf16 model weight (rounded to nearest
+  even, as O5's copy to the model) written once (``core/fused_masters.py``).
+* Remainder masters (`step_remainders`): the bf16 weight, its int16 remainder and side
+  table, the bf16 gradient and the state, read and written once; the masters equal O5's
+  fused ones bit for bit.
+
+Eligible: a plain ``torch.optim.AdamW`` or ``Adam`` (no amsgrad, capturable, differentiable
+or fused) on CPU tensors (FSDP2's ``CPUOffloadPolicy`` included) with dense gradients. The
+arithmetic is ampkit's fixed order (``core/fused_adamw.py``), which agrees with torch's
+AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (``step``,
+``exp_avg``, ``exp_avg_sq``, keyed by the parameter, or by the master at O5), so checkpoints
+move between the fused path and plain torch. Without a C compiler the eager references run,
+with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
+through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step.
+
+O7's update also runs on CUDA (and other Triton device) parameters, as one ``torch.compile``
+kernel per tensor (``core/compiled_update.py``) where Triton is installed, with the same
+numbers as the C kernel; ``AMPKIT_COMPILED_UPDATE=0`` turns that off (accelerator
+parameters then take the optimizer's own step).
+"""
+import os
+
+import torch
+
+from .._kernels import compiled_update, native
+from .._kernels.fused_adamw import Hyper, arithmetic, step_
+from .._kernels.fused_masters import step_master_, step_remainder_
+from .shards import global_index, like, local
+
+KINDS = (torch.optim.AdamW, torch.optim.Adam)
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def enabled() -> bool:
+    """``AMPKIT_FUSED`` is not ``0``, and no ``torch.compile`` is tracing the step (a compiled
+    step is torch's own: the kernels are opaque calls that it cannot trace)."""
+    return os.environ.get("AMPKIT_FUSED", "1") != "0" and not torch.compiler.is_compiling()
+
+
+def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
+    """Whether ``p`` of ``group`` steps in O7's `step`: a bf16 parameter on CPU or where
+    the compiled kernel runs (``compiled_update.available``: CUDA with Triton), with a dense
+    bf16 gradient, of an exact AdamW / Adam whose group asks for nothing this kernel does not
+    do, and state (if any) as this path keeps it. (Elsewhere torch's own AdamW kernels stay:
+    the eager reference off CPU is no faster than them.)"""
+    device = local(p).device
+    if not _bf16_dense(p, grad) or not plain_group(optimizer, group) or (
+            device.type != "cpu" and not compiled_update.available(device)):
+        return False
+    return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
+
+
+def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether bf16 ``p`` with remainder masters steps in `step_remainders`: `plain`
+    (CPU only: the kernel is C) and float32 state (if any) as this path keeps it."""
+    return plain(optimizer, group, p, grad) and _state_as_kept(optimizer.state.get(p), p, torch.float32)
+
+
+def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in `step_masters`: its
+    gradient dense fp32, both on the CPU, an exact AdamW / Adam, fp32 state (if any)."""
+    grad = master.grad
+    if (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32 or grad.dtype != torch.float32
+            or grad.is_sparse or master.shape != param.shape or local(master).device.type != "cpu"
+            or local(param).device.type != "cpu" or not plain_group(optimizer, group)):
+        return False
+    return _state_as_kept(optimizer.state.get(master), master, torch.float32)
+
+
+def plain_group(optimizer, group: dict) -> bool:
+    """Whether ``optimizer`` is an exact AdamW / Adam and ``group`` asks for nothing the fused
+    kernels do not do (amsgrad, capturable, differentiable, fused)."""
+    return type(optimizer) in KINDS and not (group.get("amsgrad") or group.get("capturable")
+                                             or group.get("differentiable") or group.get("fused"))
+
+
+def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
+    Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
+    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and plain_group(optimizer, group)
+
+
+def _bf16_dense(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    return p.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16 and not grad.is_sparse
+
+
+def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
+    if not state:
+        return True
+    return (tuple(state) == STATE_KEYS and all(state[k].dtype == dtype and state[k].shape == p.shape for k in STATE_KEYS[1:])
+            and not (torch.is_tensor(state["step"]) and state["step"].device.type != "cpu"))
+
+
+def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
+    """``p``'s state (made as torch makes it on a first step, in ``dtype``) with its step count
+    advanced, and this step's `Hyper`."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        for k in STATE_KEYS[1:]:
+            state[k] = like(torch.zeros_like(local(p), dtype=dtype, memory_format=torch.preserve_format), p)
+    state["step"] += 1
+    return state, hyper(optimizer, group, state["step"].item())
+
+
+def hyper(optimizer, group: dict, step: float) -> Hyper:
+    """The `Hyper` of AdamW / Adam ``optimizer``'s ``group`` at ``step`` (this one included)."""
+    beta1, beta2 = group["betas"]
+    return Hyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                 group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
+                 bool(group.get("maximize", False)), step)
+
+
+def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
+    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible`)."""
+    dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
+    for group, p in params:
+        state, hyper = _begin(optimizer, group, p, dtype)
+        args = (local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
+                rounder.seed, rounder.step, ids[p], global_index(p))
+        with torch.no_grad():
+            if compiled_update.available(args[0].device):
+                compiled_update.step_(*args)
+            else:
+                step_(*args, native.library() if args[0].device.type == "cpu" else None)
+
+
+def step_fp32_(optimizer, params) -> None:
+    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (float32 tensors with float32
+    gradients and state: O8's widened copies) in place, in ampkit's arithmetic
+    (``fused_adamw.arithmetic``): what the fused kernels compute, where they cannot run."""
+    for group, p in params:
+        state, hyper = _begin(optimizer, group, p, torch.float32)
+        with torch.no_grad():
+            w, m, v = local(p), local(state["exp_avg"]), local(state["exp_avg_sq"])
+            torch._foreach_copy_([w, m, v], list(arithmetic(w, local(p.grad), m, v, hyper)))
+
+
+def masters_to_step(optimizer, owner: dict) -> list:
+    """``(group, master, param)`` of each of ``optimizer``'s masters (``owner``: master -> bf16
+    model parameter) that `step_masters` steps this time (none with ``AMPKIT_FUSED=0``)."""
+    if not enabled() or type(optimizer) not in KINDS:
+        return []
+    return [(g, m, owner[m]) for g in optimizer.param_groups for m in g["params"]
+            if m in owner and master_eligible(optimizer, g, m, owner[m])]
+
+
+def step_masters(optimizer, items) -> None:
+    """One AdamW / Adam step of each O5 master of ``items`` (from `masters_to_step`),
+    writing its bf16 model parameter too."""
+    lib = native.library()
+    for group, m, p in items:
+        state, hyper = _begin(optimizer, group, m, torch.float32)
+        with torch.no_grad():
+            step_master_(local(m), local(m.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
+                         local(p), lib)
+
+
+def step_remainders(optimizer, params, grads: dict, remainders) -> None:
+    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible` with
+    float32 state), whose master is ``p`` with ``remainders[i]``."""
+    lib = native.library()
+    for (group, p), r in zip(params, remainders):
+        state, hyper = _begin(optimizer, group, p, torch.float32)
+        with torch.no_grad():
+            step_remainder_(local(p), r, local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper, lib)
+
+
+def order_state(opt, ids: dict) -> None:
+    """``opt.state``'s entries in the order of ``ids`` (tensor -> index), others last: the
+    order torch's own step would have made them in."""
+    entries = sorted(opt.state.items(), key=lambda kv: ids.get(kv[0], len(ids)))
+    opt.state.clear()
+    opt.state.update(entries)

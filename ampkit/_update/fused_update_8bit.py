@@ -1,0 +1,107 @@
+"""O8's fused AdamW: ``torch.optim.AdamW`` / ``Adam`` steps on bf16 weights with 8-bit state, one pass each.
+
+At ``optimizer_state_dtype="8bit"`` (O8) the transient update hands the bf16 parameters
+that ``fused_update.plain`` accepts (a plain AdamW or Adam, bf16 gradients, CPU) to
+``core/fused_adamw_8bit.py``: the gradient, the weight and the packed state
+(``state_8bit.py``'s codes and scales, kept as they are between steps) are read once and
+written once, in place of widening the state to float32, stepping float32 copies with the
+optimizer and packing again. The arithmetic is ``core/fused_adamw.py``'s order (as O7's
+fused path); the rounding draws, the first moment's cap and the codes are those
+``state_8bit.py`` stores. ``AMPKIT_FUSED=0`` keeps the optimizer's own step.
+
+The transient update's chunks hold these parameters with the others: a chunk whose update
+would write a non-finite weight writes nothing, on either path. The kernel backs up each
+old weight, codes and scales as it reads them (4 bytes and 8/256 per element, in buffers
+kept from step to step), and on such a step the chunk's parameters get them back, with
+their step counts.
+"""
+import math
+from typing import Callable, Optional
+
+import torch
+
+from .._kernels import native
+from .._kernels.fused_adamw_8bit import BLOCK, backups, restore_, span, step_
+from . import fused_update, state_8bit
+from .shards import global_index, like, local
+from .shared_blocks import whole_blocks
+
+KEYS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # the packed keys and their code dtypes
+
+
+def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``p`` steps here: ``fused_update.plain``, no block of ``p``'s full tensor split
+    between ranks' parts (``shared_blocks.whole_blocks``, FSDP2's and HSDP's layouts; the same
+    answer on every rank: a split block needs its maximum over all of them, which the chunks'
+    packing shares and the kernel does not), and state (if any) as ``state_8bit`` packs Adam's."""
+    if not fused_update.plain(optimizer, group, p, grad) or not whole_blocks(p, BLOCK):
+        return False
+    first = global_index(p)
+    state = optimizer.state.get(p)
+    if not state:
+        return True
+    q = local(p)
+    names = {"step"} | {k + suffix for k in KEYS for suffix in (state_8bit.CODES, state_8bit.SCALES)}
+    return (set(state) == names and torch.is_tensor(state["step"]) and state["step"].device.type == "cpu"
+            and all(local(state[k + state_8bit.CODES]).dtype == dtype and local(state[k + state_8bit.CODES]).shape == q.shape
+                    and state[k + state_8bit.SCALES].dtype == torch.float32
+                    and state[k + state_8bit.SCALES].numel() == span(q.numel(), first) for k, dtype in KEYS.items()))
+
+
+def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:
+    """One AdamW / Adam step of each ``(group, p)`` of ``chunk`` (all `eligible`);
+    ``skip(bad, device)`` says whether the chunk, whose parameters ``bad`` got non-finite
+    weights here (maybe none), is skipped (on any rank). None when it was (nothing written),
+    else a function that undoes the step (until the next call with ``scratch``)."""
+    lib = native.library()
+    bound = next(b[3] for b in state_8bit.BOUNDED if isinstance(optimizer, b[0]))
+    parts = [local(p) for _, p in chunk]
+    saved = backups([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
+    done, bad = [], []
+    for (group, p), q, backup in zip(chunk, parts, saved):
+        done.append((p, _start(optimizer, p, q), backup))
+        if not _step_one(optimizer, group, p, q, grads[p], rounder, ids[p], bound, lib, backup):
+            bad.append(p)
+            break  # the chunk is skipped: the rest need no step
+
+    def undo():
+        for p, created, backup in reversed(done):
+            _undo(optimizer, p, created, backup)
+
+    if skip(bad, parts[0].device):
+        undo()
+        return None
+    return undo
+
+
+def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
+    """Give ``p`` zero state if it has none (``state_8bit``'s layout); whether it had none."""
+    state = optimizer.state.get(p)
+    if state:
+        return False
+    state = optimizer.state[p] = {"step": torch.tensor(0.0)}
+    for k, dtype in KEYS.items():
+        state[k + state_8bit.CODES] = like(torch.zeros(q.shape, dtype=dtype), p)
+        state[k + state_8bit.SCALES] = torch.ones(span(q.numel(), global_index(p)))
+    return True
+
+
+def _step_one(optimizer, group, p, q, grad, rounder, tensor: int, bound, lib, backup) -> bool:
+    """The step of one parameter (local part ``q``); False when it wrote nothing (non-finite weights)."""
+    state = optimizer.state[p]
+    state["step"] += 1
+    t = state["step"].item()
+    cap = bound(group, t)
+    m, v = ([local(state[k + state_8bit.CODES]), state[k + state_8bit.SCALES]] for k in KEYS)
+    with torch.no_grad():
+        return step_(q, local(grad), *m, *v, fused_update.hyper(optimizer, group, t), cap if math.isfinite(cap) else math.nan, rounder.seed, rounder.step,
+                     tensor, global_index(p), lib, backup)
+
+
+def _undo(optimizer, p: torch.Tensor, created: bool, backup: tuple) -> None:
+    """Put back ``p``'s weight, codes, scales and step count from before the step."""
+    state = optimizer.state.pop(p) if created else optimizer.state[p]
+    with torch.no_grad():
+        restore_(local(p), local(state["exp_avg" + state_8bit.CODES]), state["exp_avg" + state_8bit.SCALES],
+                 local(state["exp_avg_sq" + state_8bit.CODES]), state["exp_avg_sq" + state_8bit.SCALES], backup)
+    state["step"] -= 1

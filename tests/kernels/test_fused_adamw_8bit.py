@@ -1,0 +1,151 @@
+"""O8's fused AdamW kernel equals its eager reference bit for bit: odd sizes, blocks cut by
+``first`` (FSDP2 shards starting inside a block), non-contiguous and empty tensors, 1 or 2
+threads, NaN and inf codes, and steps that would write non-finite weights (nothing written)."""
+import math
+
+import pytest
+import torch
+
+from ampkit._kernels import native
+from ampkit._kernels.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, dequantize, quantize_
+from ampkit._kernels.fused_adamw import Hyper
+from ampkit._kernels.fused_adamw_8bit import BLOCK, span, step_
+
+HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
+          Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0)]  # Adam with L2 decay, maximize
+CAP = 2.5  # a bound on |m| / sqrt(v) that binds for some elements of tensors()
+
+
+def tensors(n: int, first: int = 0, seed: int = 0) -> list:
+    """``[w, grad, m codes, m scales, v codes, v scales]`` with the blocks of ``first``."""
+    g = torch.Generator().manual_seed(seed)
+    lead = first % BLOCK
+    w, grad = torch.randn(n, generator=g).bfloat16(), (torch.randn(n, generator=g) * 1e-2).bfloat16()
+    m = torch.cat([torch.zeros(lead), torch.randn(n, generator=g) * 1e-3])
+    v = torch.cat([torch.zeros(lead), torch.rand(n, generator=g) * 1e-5])
+    mq, vq = torch.empty(lead + n, dtype=torch.int8), torch.empty(lead + n, dtype=torch.uint8)
+    ms, vs = torch.empty(span(n, first)), torch.empty(span(n, first))
+    quantize_(mq, ms, m, None, BLOCK)
+    quantize_(vq, vs, v.sqrt(), None, BLOCK)
+    return [w, grad, mq[lead:].clone(), ms, vq[lead:].clone(), vs]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().view(-1)
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def same(a: list, b: list) -> bool:
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+def test_span_counts_the_blocks_a_piece_touches():
+    assert [span(n, first) for n, first in [(0, 5), (1, 0), (256, 0), (257, 0), (256, 1), (1, 255), (2, 255)]] == \
+        [0, 1, 1, 2, 2, 1, 2]
+
+
+@pytest.mark.parametrize("cap", [CAP, math.inf])
+@pytest.mark.parametrize("hyper", HYPERS)
+@pytest.mark.parametrize("n,first", [(0, 0), (1, 0), (7, 3), (1001, 0), (1001, 100), (300, 255),
+                                     (3 * native.MIN_PER_THREAD + 5, 513)])
+def test_kernel_equals_the_eager_reference(lib, n, first, hyper, cap):
+    ref = tensors(n, first)
+    got = [t.clone() for t in ref]
+    assert step_(*ref, hyper, cap, 5, 2, 1, first, lib=None)
+    assert step_(*got, hyper, cap, 5, 2, 1, first, lib=lib)
+    assert same(ref, got)
+    if n > 100:  # it stepped: weights and both codes moved
+        fresh = tensors(n, first)
+        assert all(not torch.equal(ref[i], fresh[i]) for i in (0, 2, 4))
+
+
+def test_the_cap_binds_and_holds():
+    """With a cap, every stored ``|m|`` is within ``cap * sqrt(v)`` of the stored values; without,
+    some element of these tensors exceeds it (so the cap is what bounds them)."""
+    stored = {}
+    for cap in (CAP, math.inf):
+        t = tensors(4096)
+        step_(*t, HYPERS[0], cap, 1, 1, 0, 0)
+        m = t[2].double() * t[3].double().repeat_interleave(BLOCK)
+        root = dequantize(t[4], t[5], torch.empty(4096), BLOCK).double()
+        stored[cap] = (m.abs() <= CAP * root * (1 + 1e-6)).all().item()
+    assert stored[CAP] and not stored[math.inf]
+
+
+def test_non_contiguous_tensors_and_any_thread_count(lib):
+    """The eager reference, the kernel on one thread and on two, and on strided tensors: the
+    same bits (ranges cut at block boundaries of the full index, here with first % 256 != 0)."""
+    n, first = 2 * native.MIN_PER_THREAD + 3, 1000
+    base = tensors(n, first)
+    runs = {k: [t.clone() for t in base] for k in ("eager", "one", "two")}
+    runs["strided"] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in base]
+    assert not runs["strided"][0].is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        step_(*runs["eager"], HYPERS[0], CAP, 1, 2, 3, first, lib=None)
+        for key, count in (("one", 1), ("two", 2), ("strided", 2)):
+            torch.set_num_threads(count)
+            step_(*runs[key], HYPERS[0], CAP, 1, 2, 3, first, lib=lib)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("one", "two", "strided"):
+        assert same(runs["eager"], runs[key]), key
+
+
+@pytest.mark.parametrize("use_lib", [False, True])
+def test_pieces_cut_at_block_boundaries_step_as_the_whole(lib, use_lib):
+    """FSDP2 shards starting on block boundaries: each piece's codes and scales are the whole's."""
+    whole = tensors(1000)
+    pieces = [t.clone() for t in whole]
+    step_(*whole, HYPERS[0], CAP, 9, 4, 2, 0, lib=lib if use_lib else None)
+    for a, b in [(0, 256), (256, 768), (768, 1000)]:
+        sa, sb = a // BLOCK, span(b, 0)
+        part = [pieces[0][a:b], pieces[1][a:b], pieces[2][a:b], pieces[3][sa:sb], pieces[4][a:b], pieces[5][sa:sb]]
+        step_(*part, HYPERS[0], CAP, 9, 4, 2, a, lib=lib if use_lib else None)
+    assert same(whole, pieces)
+
+
+@pytest.mark.parametrize("use_lib", [False, True])
+def test_an_infinite_second_moment_stays_in_its_element(lib, use_lib):
+    """An element whose v code is inf: its update is 0 (``m / inf``), its v code stays inf and
+    its m code is 0; its block's scales come from the other elements: kernel and reference
+    agree bit for bit, and the other elements step as without it."""
+    n, at = 700, 300
+    plain, odd = tensors(n), tensors(n)
+    odd[4][at] = INF_UINT8
+    ref = [t.clone() for t in odd]
+    assert step_(*ref, HYPERS[0], CAP, 3, 1, 0, 0, lib=None)
+    assert step_(*odd, HYPERS[0], CAP, 3, 1, 0, 0, lib=lib if use_lib else None)
+    assert same(ref, odd)
+    w0 = tensors(n)[0]
+    assert odd[4][at] == INF_UINT8 and odd[2][at] == 0 and odd[0][at] == (w0[at].float() * (1 - 1e-3 * 0.01)).bfloat16()
+    step_(*plain, HYPERS[0], CAP, 3, 1, 0, 0)
+    others = torch.arange(n) != at
+    assert torch.equal(plain[0][others], odd[0][others])
+
+
+@pytest.mark.parametrize("use_lib", [False, True])
+@pytest.mark.parametrize("case", ["nan_m", "nan_v", "weight_overflows"])
+def test_a_step_with_a_non_finite_weight_writes_nothing(lib, use_lib, case):
+    """NaN codes (m: -128, v: 254) make the new weight NaN, and a weight near bfloat16's top
+    with a huge step overflows: the step returns False and weights, codes and scales keep
+    their bits (the kernel wrote and put back; the reference wrote nothing)."""
+    n, first = 2 * native.MIN_PER_THREAD + 3, 77
+    t = tensors(n, first)
+    hyper = HYPERS[0]
+    if case == "nan_m":
+        t[2][n - 5] = NAN_INT8
+    elif case == "nan_v":
+        t[4][10] = NAN_UINT8
+    else:
+        t[0][n // 2] = 3.3e38
+        t[1][n // 2] = -1.0
+        hyper = Hyper(3e37, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
+    before = [x.clone() for x in t]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not step_(*t, hyper, CAP, 1, 1, 0, first, lib=lib if use_lib else None)
+    finally:
+        torch.set_num_threads(threads)
+    assert same(before, t)

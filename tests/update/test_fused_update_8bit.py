@@ -1,0 +1,220 @@
+"""O8's fused AdamW: it stores what ``state_8bit`` packs from fused_adamw's arithmetic, the
+kernel and the eager reference agree bit for bit through training (skipped steps, resume,
+odd sizes, a non-contiguous parameter), chunks with a non-finite weight write nothing on
+either path, and the per-element Adam bound holds."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit._kernels import native
+from ampkit._kernels.fused_adamw import Hyper, arithmetic
+from ampkit._run.registry import current as current_run
+from ampkit._kernels.rounding import StochasticRounder, round_counter_
+from ampkit._update import fused_update_8bit, state_8bit, transient_update
+from tests.update.test_fused_update import ADAMS, batches, make_model, train
+from tests.update.test_state_8bit import (_dot_model, adam_constant, adam_state_bound, assert_state_within_bounds,
+                                           one_large_gradient_per_block, raw_state, train_on)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().view(-1)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def o8(adam="adamw", model=None):
+    model = model or make_model()
+    opt = ADAMS[adam](model.parameters())
+    return ampkit.initialize(model, opt, opt_level="O8", verbosity=0)
+
+
+def calls_of_own_step(opt) -> list:
+    """Count the optimizer's own step calls (the eager path's)."""
+    update, calls = opt._ampkit._step, []
+    inner = update.step
+    update.step = lambda: calls.append(1) or inner()
+    return calls
+
+
+def spanning_decades(n: int, decades: int, seed: int = 3) -> torch.Tensor:
+    """Gradients of either sign spanning ``decades`` decades (so the first moments' cap binds)."""
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.randint(0, 2, (n,), generator=g) * 2.0 - 1
+    return (sign * 10 ** (-decades * torch.rand(n, generator=g))).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+def test_the_fused_path_stores_what_state_8bit_packs(lib, monkeypatch, adam):
+    """Three steps of a 1000-element parameter (gradients spanning 30 decades: the first
+    moments' cap binds); the third again from the state before it,
+    widened by ``state_8bit``, stepped by ``fused_adamw.arithmetic``, the weight rounded with
+    stream 0 and the state packed by ``state_8bit.pack`` with the run's seed and step: the
+    fused step's weight, codes and scales, bit for bit."""
+    model, opt = o8(adam, _dot_model(1000))
+    x = spanning_decades(1000, 30)
+    for _ in range(2):
+        train_on(model, opt, x)
+    p, group = model.w, opt.param_groups[0]
+    st, w = {k: v.clone() for k, v in opt.state[p].items()}, p.detach().clone()
+    seed, step = current_run("test").rounding.seed, current_run("test").rounding.step
+    seen, calls, inner = {}, calls_of_own_step(opt), fused_update_8bit.step
+    monkeypatch.setattr(fused_update_8bit, "step", lambda o, chunk, grads, *a: seen.update(grads) or inner(o, chunk, grads, *a))
+    train_on(model, opt, x)
+    assert not calls and p in seen  # the fused path stepped, the optimizer's own step was not called
+
+    state_8bit.widen(state_8bit.held({p: st}, [p]))
+    st["step"] += 1
+    b1, b2 = group["betas"]
+    hyper = Hyper(group["lr"], b1, b2, group["eps"], group["weight_decay"], adam == "adamw", adam == "adam",
+                  st["step"].item())
+    new_w, st["exp_avg"], st["exp_avg_sq"] = arithmetic(w, seen[p], st["exp_avg"], st["exp_avg_sq"], hyper)
+    round_counter_(w, new_w, seed, step, 0, 0, 0)
+    rounder = StochasticRounder(seed)
+    rounder.step = step
+    state_8bit.pack([(st, p)], {}, opt, rounder, {p: 0})
+    assert torch.equal(bits(w), bits(p.detach())) and st.keys() == opt.state[p].keys()
+    assert all(torch.equal(bits(st[k]), bits(opt.state[p][k])) for k in st)
+
+
+def snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(raw_state(opt))
+
+
+def same(a, b) -> bool:
+    (wa, sa), (wb, sb) = a, b
+    return (all(torch.equal(bits(x), bits(y)) for x, y in zip(wa, wb)) and sa.keys() == sb.keys()
+            and all(torch.equal(bits(sa[k]), bits(sb[k])) for k in sa))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+def test_training_with_the_kernel_equals_the_eager_reference(lib, monkeypatch, tmp_path, adam):
+    """Four steps with an overflowing one (skipped), saved, then two more after a load into a
+    fresh run: kernel and eager reference agree bit for bit at each point (odd sizes, an empty
+    layer, a non-contiguous parameter), and the resumed run equals the uninterrupted one."""
+    data = batches(6)
+    runs = {}
+    for kind in ("kernel", "eager"):
+        monkeypatch.setattr(native, "_state", {} if kind == "kernel" else {"lib": None})
+        model, opt = o8(adam)
+        calls = calls_of_own_step(opt)
+        assert all(fused_update_8bit.eligible(opt, opt.param_groups[0], p, p.detach()) for p in model.parameters())
+        train(model, opt, data[:4], poison=(1,))
+        assert not calls and current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounding.step == 3
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)},
+                   tmp_path / f"{kind}.pt")
+        middle, opt_state_then = snapshot(model, opt), copy.deepcopy(opt.state_dict()["state"])
+        train(model, opt, data[4:])
+        resumed, resumed_opt = o8(adam)
+        ckpt = torch.load(tmp_path / f"{kind}.pt")
+        resumed.load_state_dict(ckpt["model"])
+        resumed_opt.load_state_dict(ckpt["optimizer"])
+        ampkit.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
+        loaded = resumed_opt.state_dict()["state"]  # the values (a block's scale may differ: its codes with it)
+        assert all(torch.equal(bits(v), bits(loaded[i][k])) for i, st in opt_state_then.items() for k, v in st.items())
+        train(resumed, resumed_opt, data[4:])
+        runs[kind] = middle, snapshot(model, opt), snapshot(resumed, resumed_opt)
+        assert same(runs[kind][1], runs[kind][2])
+        state = opt.state[model.a.weight]
+        assert state["exp_avg.codes"].dtype == torch.int8 and state["exp_avg_sq.codes"].dtype == torch.uint8
+        assert state["step"].item() == 5.0
+    assert all(same(a, b) for a, b in zip(runs["kernel"], runs["eager"]))
+    assert not same(runs["kernel"][0], runs["kernel"][1])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+@pytest.mark.parametrize("adam", ["adamw", "adam"])
+def test_chunks_the_kernel_cannot_take_step_in_its_arithmetic(lib, monkeypatch, adam):
+    """Parameters the kernel does not take (FSDP2 shards cutting blocks, here every parameter
+    by a patched rule) step in the chunks with ampkit's arithmetic, not the optimizer's own
+    step (never called): bit for bit the kernel's run, through a skipped step (so 1 and N ranks
+    agree)."""
+    data = batches(5)
+    runs = {}
+    for kind in ("kernel", "chunks"):
+        if kind == "chunks":
+            monkeypatch.setattr(fused_update_8bit, "whole_blocks", lambda p, block: False)
+        model, opt = o8(adam)
+        calls = calls_of_own_step(opt)
+        train(model, opt, data, poison=(1,))
+        assert not calls and current_run("t").scalers[0].skipped_steps == 1
+        runs[kind] = snapshot(model, opt)
+    assert same(runs["kernel"], runs["chunks"])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+def test_ampkit_fused_0_keeps_the_optimizers_own_step(monkeypatch):
+    """``AMPKIT_FUSED=0``, and a group the kernel does not do (amsgrad): the optimizer's own step."""
+    monkeypatch.setenv("AMPKIT_FUSED", "0")
+    model, opt = o8()
+    calls = calls_of_own_step(opt)
+    train(model, opt, batches(1))
+    assert calls
+    monkeypatch.delenv("AMPKIT_FUSED")
+    model = make_model()
+    model, opt = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), amsgrad=True), opt_level="O8", verbosity=0)
+    calls = calls_of_own_step(opt)
+    train(model, opt, batches(1))
+    assert calls and "max_exp_avg_sq.codes" in opt.state[model.a.weight]
+
+
+class _Three(nn.Module):
+    """Three bf16 weight vectors of ``n`` elements; the loss is linear in them."""
+
+    def __init__(self, n, start: dict):
+        super().__init__()
+        self.w, self.u, self.v = (nn.Parameter(torch.full((n,), start.get(k, 1.0))) for k in "wuv")
+
+    def forward(self, x):
+        return ((self.w + self.u + self.v) * x).sum()
+
+
+@pytest.mark.parametrize("where", ["w", "u"])
+def test_a_chunk_with_a_non_finite_weight_writes_nothing_on_either_path(monkeypatch, where):
+    """Two chunks (``CHUNK_ELEMENTS`` made 1200): the first holds ``w`` (fused path) and ``u``
+    (an amsgrad group: the eager path), the second ``v``. After a first step, a learning rate
+    of 3e37 up (maximize) on the one at bfloat16's top makes its weight infinite, on the
+    fused path (``w``) or the eager one (``u``): the whole first chunk writes nothing (weights,
+    codes, scales, step counts), ``v`` steps, and the step is reported skipped."""
+    monkeypatch.setattr(transient_update, "CHUNK_ELEMENTS", 1200)
+    model = _Three(600, {where: 3.3e38})
+    opt = torch.optim.Adam([{"params": [model.w], "maximize": where == "w"},
+                            {"params": [model.u], "amsgrad": True, "maximize": where == "u"}, {"params": [model.v]}], lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level="O8", verbosity=0)
+    calls, x = calls_of_own_step(opt), torch.ones(600)
+    train_on(model, opt, x)
+    assert not ampkit.step_was_skipped(opt) and len(calls) == 1  # u only
+    assert fused_update_8bit.eligible(opt, opt.param_groups[0], model.w, model.w.detach())
+    opt.param_groups[0 if where == "w" else 1]["lr"] = 3e37
+    weights, state = [p.detach().clone() for p in model.parameters()], raw_state(opt)
+    train_on(model, opt, x)
+    assert ampkit.step_was_skipped(opt)
+    moved = {n for (n, p), w in zip(model.named_parameters(), weights) if not torch.equal(bits(p), bits(w))}
+    after = raw_state(opt)
+    assert moved == {"v"} and after.keys() == state.keys()
+    assert all(torch.equal(bits(state[k]), bits(after[k])) for k in state if k[0] != 2)
+    assert after[(2, "step")] == state[(2, "step")] + 1 and not torch.equal(state[(2, "exp_avg.codes")], after[(2, "exp_avg.codes")])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("case", ["one_large_per_block", "decades"])
+def test_the_adam_bound_holds_per_element_on_the_fused_path(lib, case):
+    """AdamW, lr 1e-3, 60 steps of the issue's case (as in test_state_8bit, there on the eager
+    path: each 256-block with one gradient of 1 and 255 of 1e-6), or of gradients spanning 36
+    decades that change every step (the cap binds). Each weight moves at most exact Adam's
+    largest step, ``lr * 7.27``, plus the stochastic rounding to bfloat16 (under one bf16
+    step of the larger of the two weights); the stored state stays within its cap."""
+    lr, wd = 1e-3, 0.01
+    model, opt, x = one_large_gradient_per_block(lr=lr, weight_decay=wd)
+    n = x.numel()
+    calls = calls_of_own_step(opt)
+    for t in range(60):
+        before = model.w.detach().double()
+        train_on(model, opt, x if case == "one_large_per_block" else spanning_decades(n, 36, seed=t))
+        after = model.w.detach().double()
+        ulp = 2.0 ** -7 * torch.maximum(before.abs(), after.abs()) + 2.0 ** -133
+        assert ((after - before * (1 - lr * wd)).abs() <= lr * adam_constant(0.9, 0.999) * (1 + 1e-5) + ulp).all()
+        assert_state_within_bounds(opt, lambda k: adam_state_bound(0.9, 0.999, k))
+    assert not calls and model.w.abs().max() <= 60 * lr * adam_constant(0.9, 0.999) * 1.01
