@@ -4,7 +4,7 @@
 #      `cuda` (pytest -k cuda: the keyword matches both), multi-process tests left out;
 #   2. the benchmark families on CUDA (compile family at O0, O2, O5), JSON and tables;
 #   2b. the update family on CUDA (the AdamW update alone per level against its bound; the fused
-#      O7 rows run one torch.compile Triton kernel per tensor, core/compiled_update.py, compiled
+#      O7 rows run one torch.compile Triton kernel per tensor, _kernels/compiled_update.py, compiled
 #      in the warm-up steps; its bits against the CPU reference are checked in step 1's
 #      tests/kernels/test_compiled_update.py cuda test), JSON and table;
 #   3. the demo on CUDA with its default sizing;

@@ -13,9 +13,9 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
   ``MixedPrecisionPolicy(reduce_dtype=float32)`` on bf16 shards, so there is no fp32 copy of
   the weights, all-gathers move bf16 and gradients are summed in float32 (FSDP2 stores the
   reduced gradient in the parameter's dtype, bf16). ``TransientUpdate`` steps each rank's
-  local shards (``install/shards.py``); remainders are local int16 shards; the rounding bits
+  local shards (``_update/shards.py``); remainders are local int16 shards; the rounding bits
   are a pure function of the seed, the step and each element's index in its full parameter
-  (``core/counter_bits.py``), so every rank rounds its shard as one unsharded run would.
+  (``_kernels/counter_bits.py``), so every rank rounds its shard as one unsharded run would.
 * O1 / O4: fp32 sharded parameters, ``torch.autocast`` inside the model's forward.
 * O0: plain FSDP2.
 

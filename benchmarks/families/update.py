@@ -50,14 +50,14 @@ VARIANTS = {
     "O7 bf16 state fused": ("O7", {"optimizer_state_dtype": torch.bfloat16}, True, 4 + 2 + 8, 2 + 4 + 2 + 8),
     "O7 eager": ("O7", {}, False, 4 + 2 + 16, 135),
     "O7 bf16 state eager": ("O7", {"optimizer_state_dtype": torch.bfloat16}, False, 4 + 2 + 8, 215),
-    "O8": ("O8", {}, True, 4 + 2 + 4, 2 + 4 + 2 + 4 + 4),  # fused (core/fused_adamw_8bit.py): + 4 B of backup writes
+    "O8": ("O8", {}, True, 4 + 2 + 4, 2 + 4 + 2 + 4 + 4),  # fused (_kernels/fused_adamw_8bit.py): + 4 B of backup writes
     "O8 eager": ("O8", {}, False, 4 + 2 + 4, 600),
     "torch AdamW fused fp32": (None, {}, True, 4 + 8 + 16, 4 + 8 + 16),
 }
 
 
-# -- O5's and remainder masters' fused AdamW (core/fused_masters.py): the eager rows, and the fp32 kernel alone --
-KERNEL = "ampkit fused AdamW fp32"  # core/fused_masters.py on a float32 model, against torch's AdamW(fused=True)
+# -- O5's and remainder masters' fused AdamW (_kernels/fused_masters.py): the eager rows, and the fp32 kernel alone --
+KERNEL = "ampkit fused AdamW fp32"  # _kernels/fused_masters.py on a float32 model, against torch's AdamW(fused=True)
 VARIANTS.update({
     "O5 eager": ("O5", {}, False, 2 + 8 + 16 + 2, 100),
     "remainder eager": ("O5", {"master_weights": "remainder"}, False, 6 + 4 + 16, None),

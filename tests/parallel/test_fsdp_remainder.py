@@ -2,7 +2,7 @@
 plus int16 remainder shards and their side tables, follow O5's arithmetic bit for bit.
 
 On each rank a shadow keeps fp32 master shards (O5's masters) and steps them on the same local
-gradient shards as O5 would: in the fused AdamW of ``core/fused_masters.py``, and (the same
+gradient shards as O5 would: in the fused AdamW of ``_kernels/fused_masters.py``, and (the same
 launch, a second run) with ``AMPKIT_FUSED=0`` in a plain ``torch.optim.AdamW``. At every step the sharded run's bf16 weights are the shadow's
 rounding and its masters the shadow's exactly, across a skipped step (an inf on one rank) and a
 DCP checkpoint loaded into a fresh model in the same processes. The model is large enough
@@ -43,7 +43,7 @@ def _exact(model, shadow) -> bool:
 
 
 class FusedShadow:
-    """O5's fused AdamW on the shadow masters (``core/fused_masters.py``, AdamW's defaults, lr 1e-3)."""
+    """O5's fused AdamW on the shadow masters (``_kernels/fused_masters.py``, AdamW's defaults, lr 1e-3)."""
 
     def __init__(self, params):
         self.params, self.steps = params, 0

@@ -1,14 +1,14 @@
 """O7 and O8 on FSDP2 give the single process's weights bit for bit, given identical gradients.
 
 The rounding bits are a function of each element's index in its full parameter
-(``core/counter_bits.py``) and the fused AdamW computes each element on its own, so a
+(``_kernels/counter_bits.py``) and the fused AdamW computes each element on its own, so a
 2-rank run (uneven dim-0 shards) and one process agree exactly. The gradients are made
 identical by a loss linear in the weights: every rank's gradient is the same coefficient
 tensor, and FSDP2's average of equal values is that value.
 
 O8's 8-bit state draws its codes from the same counter bits, and its blocks are the full
 parameter's: a block cut between two ranks takes its scale from its maximum over both
-(``install/shared_blocks.py``), so O8 matches the single process with shards cut anywhere,
+(``_update/shared_blocks.py``), so O8 matches the single process with shards cut anywhere,
 as in :class:`Unaligned`: its weights and its optimizer state (codes and scales) bit for bit.
 """
 import pytest

@@ -1,4 +1,4 @@
-"""``install/overflow.py``: which devices a process group reduces on (the found-inf flag of
+"""``_run/overflow.py``: which devices a process group reduces on (the found-inf flag of
 CPU-offloaded shards goes to the accelerator only when the group has no CPU backend)."""
 import pytest
 import torch

@@ -277,7 +277,7 @@ def test_ineligible_optimizers_and_settings_take_the_optimizer_step():
     assert not fused_update.eligible(opt, opt.param_groups[0], p, g, torch.bfloat16)  # state not as this path keeps it
 
 
-# -- O5's fp32 masters and remainder masters (core/fused_masters.py) -------------------------------
+# -- O5's fp32 masters and remainder masters (_kernels/fused_masters.py) -------------------------------
 
 def o5(master_weights, adam="adamw"):
     model = make_model()
