@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .._common import text_table
-from .._config.levels import OPT_LEVELS
+from .._config.levels import OPT_LEVELS, UpdateKind
 from .._hardware import SLOWER, capabilities
 from .._initialize.initialize import initialize
 from .._loop.footprint import bytes_per_param
@@ -328,14 +328,14 @@ def within_noise(row: dict, base: dict) -> bool:
 def note(level: str, device: torch.device) -> str:
     """Why a level's memory and speed look as they do, from its properties."""
     props = OPT_LEVELS[level]
-    if props.optimizer_state_dtype == "8bit":
+    if props.update is UpdateKind.EIGHT_BIT:
         return "8-bit optimizer state; each step widens it and the weights to fp32: a higher peak here"
-    if props.update_rounding:
+    if props.update is UpdateKind.ROUNDED:
         return "no masters; each step updates fp32 copies, rounded back stochastically: a higher peak"
     if props.fp8:
         native = capabilities(device).levels.get(level, "")
         return "O5 + fp8 matmuls" + ("" if "speed" in native else " (emulated on this device: slower)")
-    if props.master_weights:
+    if props.has_masters:
         return "half model + fp32 master weights"
     if props.patch_torch_functions:
         return "autocast: fp32 weights, half matmuls"

@@ -5,6 +5,7 @@ row after checking every value, and returns the final `Properties` together
 with notes on overrides that have no effect at that level.
 """
 import dataclasses
+import enum
 import math
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -19,6 +20,16 @@ STATE_8BIT = "8bit"  # optimizer_state_dtype: 8-bit codes with per-block scales 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FLT_TINY, FLT_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 FLOAT32_RANGE = f"that float32 holds as a normal number ({FLT_TINY:.4g} to {FLT_MAX:.4g})"
+
+
+class UpdateKind(enum.Enum):
+    """How the optimizer's update reaches the weights: settled by ``resolve``, read as ``Properties.update``."""
+
+    OPTIMIZER = "optimizer"  # torch's own step on the model's parameters (fp32, or half without masters)
+    MASTERS = "masters"  # fp32 master copies of the half parameters (O2, O5, O6)
+    REMAINDER = "remainder"  # fp32 masters held as the bf16 weight plus an int16 remainder
+    ROUNDED = "rounded"  # half weights, each update computed in fp32 and rounded back (O7)
+    EIGHT_BIT = "eight_bit"  # ROUNDED with 8-bit optimizer state (O8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +70,32 @@ class Properties:
 
     def rows(self) -> List[Tuple[str, Any]]:
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    # Derived from the fields, not fields themselves: no option, table column, repr or
+    # equality term, and nothing new in a pickle.
+    @property
+    def update(self) -> "UpdateKind":
+        """The `UpdateKind` these properties ask for."""
+        if self.master_weights == REMAINDER:
+            return UpdateKind.REMAINDER
+        if self.master_weights is True and self._half_model():
+            return UpdateKind.MASTERS
+        if self.update_rounding is not None:
+            return UpdateKind.EIGHT_BIT if self.optimizer_state_dtype == STATE_8BIT else UpdateKind.ROUNDED
+        return UpdateKind.OPTIMIZER
+
+    @property
+    def has_masters(self) -> bool:
+        """Whether the optimizer steps on fp32 masters of the half weights (as copies or remainders)."""
+        return self.update in (UpdateKind.MASTERS, UpdateKind.REMAINDER)
+
+    @property
+    def reduces_in_fp32(self) -> bool:
+        """Whether DDP reduces the gradients in fp32: a half model without masters."""
+        return self._half_model() and not self.has_masters
+
+    def _half_model(self) -> bool:
+        return self.cast_model_type in HALF_DTYPES or self.cast_model_type == HALF_DTYPE
 
 
 def _level(name, cast, patch, keep_bn, master, scale, half):

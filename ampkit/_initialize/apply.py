@@ -3,7 +3,7 @@ check passed, and returns the `ampkit._run.run.Run` it set up."""
 import torch
 from torch import nn
 
-from .._config.levels import HALF_DTYPES, REMAINDER, STATE_8BIT
+from .._config.levels import HALF_DTYPES, UpdateKind
 from .._kernels.rounding import StochasticRounder
 from .._model import float8
 from .._model.batchnorm import enable_mixed_input_batchnorm
@@ -27,7 +27,7 @@ def apply(plan: Plan) -> Run:
               optimizer_names=[type(o).__name__ for o in plan.request.optimizers])
     # Masters start from the fp32 values, not from the rounded half copies: keep the
     # pre-cast tensors (no copy; the cast rebinds .data).
-    remainder = props.master_weights == REMAINDER  # levels.resolve allows it only for a bf16 model
+    remainder = props.update is UpdateKind.REMAINDER  # levels.resolve allows it only for a bf16 model
     keep = plan.use_masters or remainder
     originals = {p: p.data for m in plan.request.models for p in m.parameters()} if keep else {}
     for m in plan.request.models:
@@ -49,15 +49,15 @@ def attach_optimizer(opt, run: Run, use_masters: bool, model_states: list, origi
     have in ``model_states``, else new ones from ``originals``."""
     props = run.properties
     OptimizerState(opt, run, use_masters, model_states, originals).attach()
-    if props.master_weights == REMAINDER:
+    if props.update is UpdateKind.REMAINDER:
         transient_update.attach_remainders(opt._ampkit, originals, props.optimizer_state_dtype)
-    elif props.update_rounding:
+    elif props.update in (UpdateKind.ROUNDED, UpdateKind.EIGHT_BIT):
         transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
 
 
 def _rounds_stochastically(props) -> bool:
     """Whether the run needs a stochastic rounder: stochastic updates (O7), or 8-bit state (O8)."""
-    return props.update_rounding == "stochastic" or props.optimizer_state_dtype == STATE_8BIT
+    return props.update_rounding == "stochastic" or props.update is UpdateKind.EIGHT_BIT
 
 
 def _prepare(model: nn.Module, plan: Plan, run: Run, originals: dict) -> None:

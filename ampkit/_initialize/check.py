@@ -3,7 +3,7 @@ import inspect
 
 from torch import nn
 
-from .._config.levels import HALF_DTYPES, REMAINDER
+from .._config.levels import HALF_DTYPES, UpdateKind
 from .._model.casting import check_sparse_embeddings
 from .._optim.optimizer_state import check_devices
 from .._parallel.distributed import DistributedDataParallel as AmpDDP
@@ -21,10 +21,10 @@ def check(plan: Plan) -> None:
     health.check_finite_weights(models)
     if plan.props.cast_model_type in HALF_DTYPES:
         check_sparse_embeddings(models, plan.props.cast_model_type)
-    if plan.props.update_rounding:
+    if plan.props.update in (UpdateKind.ROUNDED, UpdateKind.EIGHT_BIT):
         check_no_sparse_gradients(models, f"update_rounding={plan.props.update_rounding!r} ({plan.props.opt_level}) "
                                           f"cannot apply: it steps dense fp32 copies of the half weights")
-    if plan.props.master_weights == REMAINDER:
+    if plan.props.update is UpdateKind.REMAINDER:
         check_no_sparse_gradients(models, "master_weights='remainder' cannot apply: it steps each fp32 master rebuilt "
                                           "densely from the bf16 weight and its 16-bit remainder")
 

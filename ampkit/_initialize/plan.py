@@ -52,7 +52,7 @@ def make_plan(request: Request) -> Plan:
     sharding = fsdp.plan(models, request.optimizers, props, opts["fsdp"], opts["fsdp_kwargs"], opts["ddp"],
                          opts["cast_model_outputs"])
     exclude = _fp8_exclude(models, props, opts["fp8_exclude"])
-    use_masters = props.master_weights is True and props.cast_model_type in levels.HALF_DTYPES and sharding is None
+    use_masters = props.update is levels.UpdateKind.MASTERS and sharding is None  # FSDP2's fp32 shards are its masters
     if sharding is not None:
         infos += sharding.notes
     return Plan(request, defaults, props, applied, tuple(notes), tuple(infos), sharding, exclude, use_masters,

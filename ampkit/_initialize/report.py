@@ -44,7 +44,7 @@ def _warn_eps(plan: Plan, run: Run) -> None:
     """An eps that rounds to 0 in the half dtype the optimizer steps in (no masters)."""
     props = plan.props
     half = props.cast_model_type if props.cast_model_type in levels.HALF_DTYPES else None
-    if half is None or plan.use_masters or props.update_rounding:  # update_rounding: the step is fp32
+    if half is None or plan.use_masters or props.update in (levels.UpdateKind.ROUNDED, levels.UpdateKind.EIGHT_BIT):  # fp32 step
         return
     for opt in plan.request.optimizers:
         eps = [g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), float)]
@@ -74,7 +74,7 @@ def summary(props, use_masters: bool) -> str:
         parts[0] += " (BatchNorm float32)"
     if props.patch_torch_functions:
         parts.append(f"autocast to {levels._show(props.half_dtype)}")
-    if props.master_weights == levels.REMAINDER and cast == torch.bfloat16:
+    if props.update is levels.UpdateKind.REMAINDER:
         parts.append("fp32 master weights as bf16 weight + 16-bit remainder")
     else:
         parts.append("fp32 master weights" if use_masters else "no master weights")

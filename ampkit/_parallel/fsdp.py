@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._common.errors import NoEffectWarning
-from .._config.levels import HALF_DTYPES, REMAINDER
+from .._config.levels import HALF_DTYPES, UpdateKind
 from .._model.casting import is_batchnorm
 from .._run import registry
 from .._run.overflow import collective_device
@@ -78,7 +78,7 @@ class Plan:
 
         half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
         self.half_model = half is not None
-        self.masters = half is not None and props.master_weights is True
+        self.masters = props.update is UpdateKind.MASTERS
         self.keep_bn = half is not None and bool(props.keep_batchnorm_fp32)
         self.blocks = tuple(kwargs.get("blocks", ()))
         self.shard_kwargs = {k: v for k, v in kwargs.items() if k != "blocks"}
@@ -101,8 +101,8 @@ class Plan:
         elif self.masters:
             self.notes = [f"fsdp=True: MixedPrecisionPolicy(param_dtype={half}, reduce_dtype=torch.float32); the sharded "
                           f"fp32 parameters are the master weights."]
-        elif props.update_rounding or props.master_weights == REMAINDER:
-            how = ("masters held as bf16 shards plus int16 remainder shards" if props.master_weights == REMAINDER
+        elif props.update in (UpdateKind.ROUNDED, UpdateKind.EIGHT_BIT, UpdateKind.REMAINDER):
+            how = ("masters held as bf16 shards plus int16 remainder shards" if props.update is UpdateKind.REMAINDER
                    else f"rounded back {props.update_rounding}")
             self.notes = [f"fsdp=True: {half} parameters sharded (no fp32 master shards), gradients reduced in "
                           f"float32; each step computed in fp32 on the local shards, {how}."]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._common.files import fsync_dir
-from .._config.levels import REMAINDER
+from .._config.levels import REMAINDER, UpdateKind
 
 INCOMPLETE = ".ampkit-incomplete"  # present while save_sharded writes the directory
 
@@ -34,7 +34,7 @@ def describe(props, shards: int) -> dict:
 def level_name(props) -> str:
     """``"O5"``, or ``"O5 (master_weights='remainder')"`` where an option changed what is stored."""
     extra = []
-    if props.master_weights == REMAINDER:
+    if props.update is UpdateKind.REMAINDER:
         extra.append(f"master_weights={REMAINDER!r}")
     dtype = props.optimizer_state_dtype
     if dtype is not None and props.opt_level != "O8":

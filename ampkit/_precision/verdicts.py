@@ -163,7 +163,7 @@ def checks(props: Properties, settled: float) -> List[Tuple[str, str, str]]:
     else:
         out += [("grad_overflow_fp16_static", FAILS, "gradients overflow fp16 at scale 1 in {n} (every step is skipped)"),
                 ("grad_flush_fp16_static", WARNS, f"{over} gradients flush to zero in fp16 at scale 1 in {{n}}")]
-    if props.cast_model_type is not None and props.cast_model_type != torch.float32 and not props.master_weights:
+    if props.cast_model_type is not None and props.cast_model_type != torch.float32 and not props.has_masters:
         lost = f"over {LOST_LIMIT:.0%} of updates"
         if props.update_rounding == "stochastic":
             out.append((f"lost_{half}", NOTE, f"{lost} are below half a {half} ulp in {{n}} (round-to-nearest would lose "

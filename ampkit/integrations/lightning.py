@@ -21,7 +21,6 @@ import gc
 import logging
 from typing import Any, Callable, List, Optional
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
@@ -143,8 +142,7 @@ def _rewrapped(ddp: nn.parallel.DistributedDataParallel, optimizers: list) -> nn
     ``initialize(ddp=True)`` would (in float32 where a half model has no masters); torch's wrapper,
     built on the float32 model, goes."""
     module, options = ddp.module, _ddp_options(ddp)
-    props = unwrap(optimizers[0])._ampkit.run.properties
-    fp32 = props.cast_model_type in (torch.float16, torch.bfloat16) and not props.master_weights
+    fp32 = registry.of_optimizer("AmpkitPrecision", unwrap(optimizers[0])).properties.reduces_in_fp32
     del ddp  # its reducer (and the autograd hooks it put on the parameters) goes with it
     gc.collect()
     return DistributedDataParallel(module, allreduce_always_fp32=fp32, **options)

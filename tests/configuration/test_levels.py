@@ -1,10 +1,11 @@
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from ampkit._config.levels import (
-    HALF_DTYPE, OPT_LEVELS, OVERRIDES, check_opt_level, format_table, markdown_table, resolve,
+    HALF_DTYPE, OPT_LEVELS, OVERRIDES, UpdateKind, check_opt_level, format_table, markdown_table, resolve,
 )
 
 TABLE = {
@@ -196,3 +197,52 @@ def test_8bit_state_without_the_transient_update_is_an_error(level, overrides, w
 def test_bad_state_dtype_lists_8bit(value):
     with pytest.raises(TypeError, match=r"initialize\(optimizer_state_dtype=.*expected torch.float32, torch.bfloat16, '8bit'"):
         resolve("O7", optimizer_state_dtype=value)
+
+
+KINDS = {  # level: (update, has_masters, reduces_in_fp32)
+    "O0": (UpdateKind.OPTIMIZER, False, False), "O1": (UpdateKind.OPTIMIZER, False, False),
+    "O2": (UpdateKind.MASTERS, True, False), "O3": (UpdateKind.OPTIMIZER, False, True),
+    "O4": (UpdateKind.OPTIMIZER, False, False), "O5": (UpdateKind.MASTERS, True, False),
+    "O6": (UpdateKind.MASTERS, True, False), "O7": (UpdateKind.ROUNDED, False, True),
+    "O8": (UpdateKind.EIGHT_BIT, False, True),
+}
+
+
+@pytest.mark.parametrize("level", list(OPT_LEVELS))
+def test_every_level_has_its_update_kind(level):
+    """The table's row (cast marker unresolved) and the resolved properties agree."""
+    assert set(KINDS) == set(OPT_LEVELS)
+    final = resolve(level)[1]
+    for props in (OPT_LEVELS[level], final):
+        assert (props.update, props.has_masters, props.reduces_in_fp32) == KINDS[level]
+
+
+@pytest.mark.parametrize("level,overrides,kind,fp32_reduce", [
+    ("O5", dict(master_weights="remainder"), UpdateKind.REMAINDER, False),
+    ("O6", dict(master_weights="remainder"), UpdateKind.REMAINDER, False),
+    ("O7", dict(optimizer_state_dtype=torch.bfloat16), UpdateKind.ROUNDED, True),
+    ("O7", dict(optimizer_state_dtype="8bit"), UpdateKind.EIGHT_BIT, True),
+    ("O8", dict(optimizer_state_dtype=torch.bfloat16), UpdateKind.ROUNDED, True),
+    ("O8", dict(update_rounding="nearest"), UpdateKind.EIGHT_BIT, True),
+    ("O2", dict(update_rounding="nearest"), UpdateKind.MASTERS, False),  # the masters take the update
+    ("O2", dict(master_weights=False, update_rounding="nearest"), UpdateKind.ROUNDED, True),
+    ("O3", dict(update_rounding="nearest"), UpdateKind.ROUNDED, True),
+    ("O7", dict(master_weights=True), UpdateKind.MASTERS, False),
+    ("O7", dict(update_rounding=False), UpdateKind.OPTIMIZER, True),
+    ("O0", dict(master_weights=True), UpdateKind.OPTIMIZER, False),  # fp32 weights are their own masters
+    ("O0", dict(master_weights="remainder"), UpdateKind.OPTIMIZER, False),
+    ("O1", dict(update_rounding="stochastic"), UpdateKind.OPTIMIZER, False),
+])
+def test_overrides_settle_the_update_kind(level, overrides, kind, fp32_reduce):
+    final = resolve(level, **overrides)[1]
+    assert final.update is kind
+    assert final.has_masters is (kind in (UpdateKind.MASTERS, UpdateKind.REMAINDER))
+    assert final.reduces_in_fp32 is fp32_reduce
+
+
+def test_derived_values_are_no_options_and_do_not_change_equality_or_repr():
+    props = resolve("O8")[1]
+    assert {"update", "has_masters", "reduces_in_fp32"}.isdisjoint(OVERRIDES + tuple(k for k, _ in props.rows()))
+    assert "update=" not in repr(props) and "eight_bit" not in format_table()
+    spelled = resolve("O7", optimizer_state_dtype="8bit")[1]
+    assert props != spelled and props == dataclasses.replace(spelled, opt_level="O8")
