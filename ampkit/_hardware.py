@@ -23,6 +23,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ._common import switches
 from ._common.cpu import cpu_info as _cpu_info  # a module name of its own: tests replace it
 from ._common.files import fsync_dir
 from ._common.logs import logger
@@ -273,7 +274,7 @@ def _store(path: str, entry: dict) -> None:
 def _measure(device: torch.device) -> Tuple[Dict[str, Dict[str, float]], str]:
     """(half dtype -> op class -> its time over float32's, where that comes from); ``({}, why)`` where
     the probe does not run."""
-    if os.environ.get(PROBE_ENV, "1") == "0":
+    if not switches.on(PROBE_ENV):
         return {}, f"{PROBE_ENV}=0"
     key = _probe_key(device)
     path = _cache_path(key)

@@ -12,6 +12,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._kernels.unscale import copy_unscale_and_check_, unscale_and_check_
 from .._optim.optimizer_state import OptimizerState, _make_master, check_devices
 from .._run import scaler as _scaler
 from .._run.overflow import OverflowCheck
@@ -125,7 +126,7 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
             master.grad = torch.empty_like(master)
         dst.append(master.grad)
         src.append(model.grad)
-    _scaler.copy_unscale_and_check_(dst, src, 1.0, {})
+    copy_unscale_and_check_(dst, src, 1.0, {})
 
 
 def master_params_to_model_params(model_params, master_params, flat_master: bool = False) -> None:
@@ -167,7 +168,7 @@ class LossScaler:
     def has_overflow(self, params) -> bool:
         """True when a gradient of ``params`` holds inf or NaN (checked for a static scale too)."""
         found = {}
-        _scaler.unscale_and_check_([p.grad for p in params if p.grad is not None], 1.0, found)
+        unscale_and_check_([p.grad for p in params if p.grad is not None], 1.0, found)
         return any(bool(f.item()) for f in found.values())
 
     def update_scale(self, overflow: bool) -> None:

@@ -28,10 +28,10 @@ is imported then, not with ampkit. Where inductor's C++ is scalar (no SIMD), a r
 steps as its elements' index (`_scalar_cpp`).
 """
 import functools
-import os
 
 import torch
 
+from .._common import switches
 from .._common.logs import logger
 from . import counter_bits, fused_adamw
 from .counter_bits import GAMMA, M1, M2, Index
@@ -117,7 +117,7 @@ def available(device: torch.device) -> bool:
     """Whether O7's fused step of parameters on ``device`` compiles here: a Triton device
     (CUDA, ROCm, XPU) with Triton installed whose compilation has not failed, or CPU under
     the tests' switch `ON_CPU`. ``AMPKIT_COMPILED_UPDATE=0`` turns it off."""
-    if os.environ.get("AMPKIT_COMPILED_UPDATE", "1") == "0" or device.type in _failed:
+    if not switches.on("AMPKIT_COMPILED_UPDATE") or device.type in _failed:
         return False
     if device.type == "cpu":
         return ON_CPU

@@ -18,9 +18,9 @@ from typing import Dict, List, Optional
 import torch
 
 from .._config.levels import HALF_DTYPES
+from .._kernels.unscale import copy_unscale_and_check_, unscale_and_check_
 from .._parallel.ddp_windows import mark_windows, reduce_windows
 from .._run.overflow import OverflowCheck
-from .._run.scaler import copy_unscale_and_check_, unscale_and_check_
 from .._update import fused_update
 from .step_hooks import hooks_set_aside, run_post_hooks, run_pre_hooks, unhooked_step
 

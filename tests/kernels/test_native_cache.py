@@ -25,7 +25,7 @@ print(lib.any_nonfinite(native.ptr(x), ctypes.c_int64(2), 4, ctypes.c_uint32(0x7
 @pytest.fixture(scope="module")
 def built(lib, tmp_path_factory):
     """The library built once in a folder of its own: its path (its record beside it)."""
-    return native._build_threaded(native.compiler(), str(tmp_path_factory.mktemp("kernels")))
+    return native.build.build(native.compiler(), str(tmp_path_factory.mktemp("kernels")))
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def cached(built, tmp_path, monkeypatch):
     """A fresh cache under ``tmp_path`` holding a copy of the built library; its path there."""
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_state", {})
-    folder = native._cache_folder()
+    folder = native.build.cache_folder()
     for name in (built, built + ".json"):
         shutil.copy(name, folder)
     return os.path.join(folder, os.path.basename(built))
@@ -45,8 +45,8 @@ def warnings_in(caplog) -> list:
 
 def test_a_build_records_its_size_and_hash_in_a_private_folder(lib, tmp_path, monkeypatch):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
-    path = native._build_threaded(native.compiler())
-    assert native._damage(path) is None
+    path = native.build.build(native.compiler())
+    assert native.build.damage(path) is None
     assert [os.stat(p).st_mode & 0o077 for p in (tmp_path / "cache", os.path.dirname(path))] == [0, 0]
     assert os.stat(path).st_mode & 0o022 == 0
 
@@ -60,7 +60,7 @@ def test_a_truncated_library_is_rebuilt_with_one_warning_not_a_crash(cached):
     assert proc.returncode == 0 and proc.stdout.split() == ["1"], proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ampkit:")]
     assert len(lines) == 1 and cached in lines[0] and "cut short" in lines[0], proc.stderr
-    assert os.path.getsize(cached) == size and native._damage(cached) is None
+    assert os.path.getsize(cached) == size and native.build.damage(cached) is None
 
 
 def test_a_library_with_another_hash_is_rebuilt_with_one_warning(cached, caplog):
@@ -69,12 +69,12 @@ def test_a_library_with_another_hash_is_rebuilt_with_one_warning(cached, caplog)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert native._damage(cached) is not None
+    assert native.build.damage(cached) is not None
     with caplog.at_level(logging.WARNING, logger="ampkit"):
         assert native.library() is not None
     lines = warnings_in(caplog)
     assert len(lines) == 1 and "sha256" in lines[0] and "rebuilding" in lines[0]
-    assert native._damage(cached) is None
+    assert native.build.damage(cached) is None
 
 
 def private_build(caplog) -> tuple:

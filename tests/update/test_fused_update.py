@@ -223,9 +223,9 @@ def test_no_compiler_logs_one_line_and_gives_the_same_numbers(lib, monkeypatch, 
 
 def test_the_build_is_cached(lib, monkeypatch, tmp_path):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    path = native._build_threaded(native.compiler())
+    path = native.build.build(native.compiler())
     stamp = (tmp_path / "kernels").stat().st_mtime_ns, os.stat(path).st_mtime_ns
-    assert native._build_threaded(native.compiler()) == path
+    assert native.build.build(native.compiler()) == path
     assert ((tmp_path / "kernels").stat().st_mtime_ns, os.stat(path).st_mtime_ns) == stamp
 
 
@@ -241,7 +241,7 @@ def _libgomps() -> set:
 def test_the_kernels_run_on_torchs_openmp_runtime(lib):
     """The kernels need the libgomp.so.1 torch loaded, not a second copy with its own threads."""
     before = _libgomps()
-    library = native._build_threaded(native.compiler())
+    library = native.build.build(native.compiler())
     ctypes.CDLL(library)
     assert _libgomps() == before and len(before) == 1
     with open(library, "rb") as f:
@@ -251,7 +251,7 @@ def test_the_kernels_run_on_torchs_openmp_runtime(lib):
 def test_a_compiler_without_openmp_builds_kernels_on_one_thread(monkeypatch, caplog, tmp_path):
     """An OpenMP flag the compiler rejects: one log line, kernels without it, the same numbers."""
     monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "OPENMP", "-fno-such-openmp-flag")
+    monkeypatch.setattr(native.build, "OPENMP", "-fno-such-openmp-flag")
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="ampkit"):
         single = native.library()

@@ -1,0 +1,100 @@
+/* O5's float32 masters and remainder masters (_kernels/fused_masters.py). */
+#include "common.h"
+
+/* The arithmetic of _kernels/fused_adamw.py on a float32 master P with a float32 gradient G;
+   c as there; l2 != 0 adds Adam's L2 term (a select, so the loop stays vectorized). The
+   pointers are restrict (the tensors never overlap): without it gcc leaves the loops scalar. */
+#define MASTER_STEP(P, G, M, V)                                                      \
+    G = G * c[9];                                                                     \
+    G = l2 ? G + P * c[1] : G;                                                        \
+    P = P * c[0];                                                                     \
+    M = M * c[2] + G * c[3];                                                          \
+    V = V * c[4] + (G * G) * c[5];                                                    \
+    P = P - (M / (sqrtf(V) / c[6] + c[7])) * c[8];
+
+static inline uint32_t bits32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline uint16_t rne_bf16(uint32_t u) {  /* torch's float -> bfloat16 (c10's scalar NaN) */
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* O5: master x, its float32 grad, state m, v; w (may be NULL): the bf16 model weight, x rounded to nearest even */
+static void adamw_master_range(float *restrict x, const float *restrict grad, float *restrict ms, float *restrict vs,
+                               uint16_t *restrict w, int64_t n, const float *restrict c) {
+    const int l2 = c[1] != 0.0f;
+    if (w) {
+        for (int64_t i = 0; i < n; i++) {
+            float p = x[i], g = grad[i], m = ms[i], v = vs[i];
+            MASTER_STEP(p, g, m, v)
+            x[i] = p; ms[i] = m; vs[i] = v; w[i] = rne_bf16(bits32(p));
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float p = x[i], g = grad[i], m = ms[i], v = vs[i];
+            MASTER_STEP(p, g, m, v)
+            x[i] = p; ms[i] = m; vs[i] = v;
+        }
+    }
+}
+
+void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w, int64_t n, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, adamw_master_range(x + lo, grad + lo, ms + lo, vs + lo, w ? w + lo : NULL, hi - lo, c);)
+}
+
+#define RBLOCK 512
+static int64_t first_at_least(const int64_t *t, int64_t n, int64_t key) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) { int64_t mid = lo + (hi - lo) / 2; if (t[mid] < key) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+/* Remainder masters (_kernels/remainder.py): elements [first, first + n) of one tensor; the master is
+   combined from (w, r, its ascending side table), stepped, and split back; the new table's entries
+   of this range go to found (at most cap; the call stops before a block that might not fit there).
+   Returns the elements done, n unless found filled up. */
+static int64_t adamw_remainder_range(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad, float *restrict ms,
+                        float *restrict vs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
+                        int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const float *restrict c) {
+    const int l2 = c[1] != 0.0f;
+    int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;
+    union { float f[RBLOCK]; uint32_t u[RBLOCK]; } x;
+    for (; lo < n && cap - k >= RBLOCK; lo += RBLOCK) {
+        const int64_t len = n - lo < RBLOCK ? n - lo : RBLOCK;
+        for (int64_t j = 0; j < len; j++) {  /* combine: code 32767 of an even w is d = +32768 */
+            uint32_t b = ((uint32_t)w[lo + j] << 16) + (uint32_t)(int32_t)r[lo + j];
+            x.u[j] = b + ((b & 0x1FFFFu) == 0x7FFFu);
+        }
+        for (; t < ntable && table[t] < first + lo + len; t++) {  /* listed: code 32766 of an even w is d = +32767 */
+            const int64_t j = table[t] - first - lo;
+            x.u[j] += (x.u[j] & 0x1FFFFu) == 0x7FFEu;
+        }
+        for (int64_t j = 0; j < len; j++) {
+            float p = x.f[j], g = widen(grad[lo + j]), m = ms[lo + j], v = vs[lo + j];
+            MASTER_STEP(p, g, m, v)
+            ms[lo + j] = m; vs[lo + j] = v; x.f[j] = p;
+        }
+        uint32_t any = 0;
+        for (int64_t j = 0; j < len; j++) {  /* split */
+            const uint32_t b = x.u[j], moved = ((b + 1u) & 0x1FFFEu) == 0x8000u;
+            w[lo + j] = rne_bf16(b);
+            r[lo + j] = (int16_t)(uint16_t)(b - moved);
+            any |= moved;
+        }
+        if (any)
+            for (int64_t j = 0; j < len; j++) {
+                const uint32_t b = x.u[j];
+                if ((b & 0x1FFFFu) == 0x7FFFu && (b & 0x7FFFFFFFu) < 0x7F800000u) found[k++] = first + lo + j;
+            }
+    }
+    *nfound = k;
+    return lo < n ? lo : n;
+}
+
+/* adamw_remainder_range over elements [first, first + n) of one tensor in `threads` ranges: range t's entries go to
+   found + t * cap (nfound[t] of them), done[t] its elements done (less than its length if found
+   filled up: the caller goes on from there). */
+void adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
+                     const int64_t *table, int64_t ntable, int64_t *found, int64_t cap, int64_t *nfound, int64_t *done,
+                     const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, done[t_] = adamw_remainder_range(w + lo, r + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo,
+                                                        table, ntable, found + t_ * cap, cap, nfound + t_, c);)
+}

@@ -1,0 +1,83 @@
+"""The fused CPU kernels: C sources (``csrc/``) built on first use (`build`), typed (`lib`), loaded once.
+
+`library` is ``None`` where they cannot be built (the callers then run the eager references, with
+the same numbers); `status` says why. Design: ``docs/design/kernels.md``.
+"""
+import ctypes
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+from ..._common import switches
+from ..._common.logs import logger
+from . import build
+from .build import cache_dir, compiler
+from .lib import declare
+
+__all__ = ["library", "status", "is_compatible", "compiler", "cache_dir", "threads", "ptr", "u64", "MIN_PER_THREAD"]
+
+MIN_PER_THREAD = 1 << 15  # elements: below this a call stays on one thread
+
+_state = {}  # "lib": the library or None (tried); "why": why None; "log": the compiler's errors; "path": the file
+
+
+def _load(cc: str) -> ctypes.CDLL:
+    """The cached kernels, or (with one warning saying why) kernels built in a private folder for this process."""
+    try:
+        return ctypes.CDLL(build.build(cc))
+    except build.Untrusted as e:
+        logger.warning("ampkit: not loading cached kernels: %s; building them in a private folder for this process "
+                       "(make the cache yours and not writable by others, e.g. chmod go-w, or set AMPKIT_CACHE_DIR "
+                       "to such a folder).", e)
+    with tempfile.TemporaryDirectory(prefix="ampkit-kernels-") as private:  # 0700; the library stays mapped
+        return ctypes.CDLL(build.build(cc, private))
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The kernels, built on first use; ``None`` (logged once) where they cannot be built, or
+    where ``AMPKIT_NATIVE=0`` turns them off."""
+    if "lib" in _state:
+        return _state["lib"]
+    lib, why, log = None, "AMPKIT_NATIVE=0", ""
+    if switches.on("AMPKIT_NATIVE"):
+        cc = compiler()
+        try:
+            if cc is None:
+                raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on the PATH")
+            lib, why = declare(_load(cc)), None
+        except (OSError, subprocess.SubprocessError) as e:
+            log = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
+            detail = build.first_line(e) if log else ""
+            why = f"{e}{': ' + detail if detail else ''}"
+            logger.warning("ampkit: fused CPU kernels unavailable (%s); using the eager path (same numbers, slower).",
+                           why)
+    _state.update(lib=lib, why=why, log=log, path=getattr(lib, "_name", None))
+    return lib
+
+
+def is_compatible() -> bool:
+    """Whether the kernels run here (built and loaded); `status` says why not."""
+    return library() is not None
+
+
+def status() -> str:
+    """Where the loaded kernels are, or why there are none (with the compiler's error log)."""
+    if library() is not None:
+        return f"built: {_state['path']}"
+    return f"not built: {_state['why']}" + "".join(f"\n  {line}" for line in _state.get("log", "").splitlines())
+
+
+def threads(n: int) -> ctypes.c_int:
+    """The threads a kernel call over ``n`` elements runs on: torch's, one when ``n`` is small."""
+    return ctypes.c_int(max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD)))
+
+
+def ptr(t: torch.Tensor, at: int = 0) -> ctypes.c_void_p:
+    """The address of element ``at`` of contiguous ``t``."""
+    return ctypes.c_void_p(t.data_ptr() + at * t.element_size())
+
+
+def u64(x: int) -> ctypes.c_uint64:
+    return ctypes.c_uint64(x & ((1 << 64) - 1))
