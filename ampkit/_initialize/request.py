@@ -1,4 +1,4 @@
-"""Step 1, parse: ``initialize``'s arguments bound to its one option list, as a frozen record."""
+"""Step 1, parse: ``initialize``'s arguments as a frozen record."""
 import dataclasses
 import types
 from typing import Any, List, Mapping
@@ -6,7 +6,7 @@ from typing import Any, List, Mapping
 import torch
 from torch import nn
 
-from .._config.options import SIGNATURE
+from .._config.levels import OPT_LEVELS
 from .._optim.optimizer_wrappers import OptimizerLike, unwrap
 
 OPTIMIZER_KINDS = (torch.optim.Optimizer, OptimizerLike)
@@ -40,18 +40,13 @@ def as_list(obj, label: str, allowed: tuple, expected: str):
     raise TypeError(f"{label}: expected {expected}, got {type(obj).__name__}.")
 
 
-def parse(args: tuple, kwargs: dict) -> Request:
-    """Bind the call to ``initialize``'s signature and check the objects' kinds."""
-    try:
-        bound = SIGNATURE.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"initialize(): {e}.") from None
-    bound.apply_defaults()
-    values = dict(bound.arguments)
+def parse(arguments: Mapping[str, Any]) -> Request:
+    """``initialize``'s arguments (name -> value) as a request; the objects' kinds checked."""
+    values = dict(arguments)
     enabled = values.pop("enabled")
     if not isinstance(enabled, bool):
         hint = (f" (the third positional argument is `enabled`; pass the level as opt_level={enabled!r})"
-                if isinstance(enabled, str) and len(args) >= 3 else "")
+                if isinstance(enabled, str) and (enabled in OPT_LEVELS or enabled == "auto") else "")
         raise TypeError(f"initialize(enabled={enabled!r}): expected True or False{hint}.")
     models, optimizers = values.pop("models"), values.pop("optimizers")
     model_list, single = as_list([] if models is None else models, "initialize(models=...)", (nn.Module,),

@@ -20,7 +20,8 @@ from torch import nn
 
 __all__ = ["EXTRA", "available", "require", "check_exclude", "eligible", "has_fp8_matmul", "convert_"]
 
-EXTRA = "ampkit[fp8]"  # installs torchao==0.18.0 (see setup.py)
+EXTRA = "ampkit[fp8]"
+"""The optional extra that installs torchao, pinned in `pyproject.toml` (`pip install -e ".[fp8]"` from a checkout)."""
 MULTIPLE = 16
 Exclude = Union[None, Sequence[str], Callable[[str, nn.Module], bool]]
 _matmul: Dict[str, bool] = {}

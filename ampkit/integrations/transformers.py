@@ -23,7 +23,8 @@ from .accelerate import attach
 
 __all__ = ["AmpkitTrainer", "STATE_NAME"]
 
-STATE_NAME = "ampkit.pt"  # the file in a checkpoint directory that holds ampkit's state
+STATE_NAME = "ampkit.pt"
+"""The file in a `Trainer` checkpoint directory that holds ampkit's state."""
 
 
 class AmpkitTrainer(Trainer):

@@ -4,9 +4,10 @@ Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdow
 
 * ``<!-- ampkit:levels -->``: the opt-level table, from ``ampkit._config.levels.markdown_table`` (what
   ``ampkit levels`` prints, as markdown);
-* ``<!-- ampkit:options -->``: ``initialize``'s options, from ``ampkit._config.options.OPTIONS``;
-* ``<!-- ampkit:api-top -->``: one mkdocstrings entry per public name of ``ampkit.__all__``,
-  from the name -> defining module map in ``ampkit/__init__.py``;
+* ``<!-- ampkit:api-top -->``: one mkdocstrings entry per public name of ``ampkit.__all__`` under its
+  public path (``::: ampkit.initialize``; ``lazy_exports.py`` makes them members of ``ampkit``);
+* ``<!-- ampkit:api ampkit.checkpoint -->`` (optionally followed by a heading level): that public
+  module's mkdocstrings entry, limited to the names of its ``__all__`` (read statically);
 * ``<!-- ampkit:layers -->``: the package's layers as an inline SVG, from ``LAYERS`` in
   ``tests/test_layers.py`` (read statically) and the modules found under ``ampkit/``.
 
@@ -15,15 +16,15 @@ JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --jso
 of each ``run.py --only convergence --json`` file under ``docs/benchmarks/convergence/``, whose tables
 ``<!-- ampkit:convergence -->`` writes.
 
-The level and option tables import ``ampkit._common`` (and so torch, which ``ampkit[docs]`` installs
-with ampkit), and ``initialize``'s signature and docstring are read from the imported module
-(``dynamic_docstrings.py``, a griffe extension); the rest of the site is read statically, so the
-frameworks of ``ampkit.integrations`` need not be installed.
+The level table imports ``ampkit._config`` (and so torch, which ``ampkit[docs]`` installs with
+ampkit); the rest of the site is read statically, so the frameworks of ``ampkit.integrations`` need not
+be installed.
 """
 import ast
 import html
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -49,34 +50,32 @@ def levels_table() -> str:
     return levels.markdown_table()
 
 
-def options_list() -> str:
-    from ampkit._config.options import OPTIONS
-
-    lines = ["| option | default | what it does |", "|---|---|---|"]
-    for o in OPTIONS:
-        default = "the level's" if o.level else f"`{o.default!r}`"
-        lines.append(f"| `{o.name}` | {default} | {o.doc.replace('``', '`').replace('|', '&#124;')} |")
-    return "\n".join(lines)
-
-
 def public_exports() -> dict:
-    """``ampkit.__all__``'s names -> defining module, read from ``ampkit/__init__.py`` without importing it."""
-    tree = ast.parse((ROOT / "ampkit" / "__init__.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
-            exports = ast.literal_eval(node.value)
-            return {k: v for k, v in exports.items() if not k.startswith("_")}
-    raise RuntimeError("ampkit/__init__.py has no _EXPORTS table")
+    """``ampkit.__all__``'s names -> defining module ("" for a public submodule)."""
+    return _load(Path(__file__).with_name("lazy_exports.py"), "ampkit_docs_exports").public_exports()
 
 
 def api_top() -> str:
-    """mkdocstrings entries for the top-level names (functions and classes; submodules have their pages)."""
-    out = []
-    for name, module in public_exports().items():
-        if not module:
-            continue
-        out.append(f"::: ampkit.{module}.{name}\n    options:\n      heading_level: 2\n")
-    return "\n".join(out)
+    """mkdocstrings entries for the top-level names (functions, classes, constants; submodules have their pages)."""
+    return "\n".join(f"::: ampkit.{name}\n    options:\n      heading_level: 2\n"
+                     for name, module in public_exports().items() if module)
+
+
+def module_all(module: str) -> list:
+    """The ``__all__`` of a public module, read from its source without importing it."""
+    path = ROOT.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__":
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError(f"{module} has no literal __all__")
+
+
+def api_module(module: str, heading_level: int = 2) -> str:
+    """One public module's entry: its docstring and the names of its ``__all__``, nothing else."""
+    members = ", ".join(module_all(module))
+    return (f"::: {module}\n    options:\n      show_root_heading: false\n      heading_level: {heading_level}\n"
+            f"      members: [{members}]\n")
 
 
 def layers() -> list:
@@ -118,28 +117,28 @@ def _is_package(parts) -> bool:
 
 
 def layers_svg() -> str:
-    """The layers as boxes, highest first, each listing its packages and modules, arrows pointing down."""
+    """The layers as boxes, highest first, each listing all its packages and modules, arrows pointing down."""
     table = layers()
     members = _layer_members(table)
-    width, box_h, gap, left = 760, 54, 26, 120
-    rows = list(reversed(table))
-    height = len(rows) * (box_h + gap) - gap + 8
+    width, gap, left = 760, 26, 120
+    rows = [(name, _wrap(" ".join(members[name]), 72)) for name, _ in reversed(table)]
+    heights = [18 + 18 * max(2, len(lines)) for _, lines in rows]
+    height = sum(heights) + gap * (len(rows) - 1) + 8
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="ampkit package layers" '
              f'viewBox="0 0 {width} {height}" width="100%" style="max-width:{width}px;font-family:sans-serif">',
              "<defs><marker id='arrow' markerWidth='10' markerHeight='10' refX='9' refY='5' orient='auto'>"
              "<path d='M0,0 L10,5 L0,10 z' fill='#555'/></marker></defs>"]
-    for i, (name, _) in enumerate(rows):
-        y = 4 + i * (box_h + gap)
-        words = " ".join(members[name])
-        lines = _wrap(words, 72)
+    y = 4
+    for i, ((name, lines), box_h) in enumerate(zip(rows, heights)):
         parts.append(f'<rect x="4" y="{y}" width="{width - 8}" height="{box_h}" rx="6" fill="#eef0fb" stroke="#3f51b5"/>')
         parts.append(f'<text x="16" y="{y + 22}" font-size="16" font-weight="bold" fill="#283593">{html.escape(name)}</text>')
-        for j, line in enumerate(lines[:2]):
+        for j, line in enumerate(lines):
             parts.append(f'<text x="{left}" y="{y + 20 + 18 * j}" font-size="13" font-family="monospace" fill="#222">'
                          f'{html.escape(line)}</text>')
         if i + 1 < len(rows):
             parts.append(f'<line x1="{width / 2}" y1="{y + box_h}" x2="{width / 2}" y2="{y + box_h + gap - 4}" '
                          f'stroke="#555" stroke-width="2" marker-end="url(#arrow)"/>')
+        y += box_h + gap
     parts.append("</svg>")
     return '<div class="ampkit-layers">\n' + "".join(parts) + "\n</div>"  # a raw HTML block: markdown leaves it alone
 
@@ -221,18 +220,20 @@ def _cell(value) -> str:
 MARKERS = {
     "<!-- ampkit:bench-figures -->": bench_figures,
     "<!-- ampkit:levels -->": levels_table,
-    "<!-- ampkit:options -->": options_list,
     "<!-- ampkit:api-top -->": api_top,
     "<!-- ampkit:layers -->": layers_svg,
     "<!-- ampkit:convergence -->": convergence_tables,
 }
 
 
+API_MODULE = re.compile(r"^<!-- ampkit:api (ampkit[\w.]*)(?: (\d))? -->$", re.M)
+
+
 def on_page_markdown(markdown, page, config, files):
     for marker, make in MARKERS.items():
         if marker in markdown:
             markdown = markdown.replace(marker, make())
-    return markdown
+    return API_MODULE.sub(lambda m: api_module(m[1], int(m[2] or 2)), markdown)
 
 
 # --- benchmark figures plotted at build time -----------------------------------------------
