@@ -18,19 +18,19 @@ AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (
 ``exp_avg``, ``exp_avg_sq``, keyed by the parameter, or by the master at O5), so checkpoints
 move between the fused path and plain torch. Without a C compiler the eager references run,
 with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
-through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step.
+through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step for
+all but O7's kernel, a declared op (``_kernels/ops.py``) that a compiled step keeps.
 
 O7's update also runs on CUDA (and other Triton device) parameters, as one ``torch.compile``
 kernel per tensor (``core/compiled_update.py``) where Triton is installed, with the same
 numbers as the C kernel; ``AMPKIT_COMPILED_UPDATE=0`` turns that off (accelerator
 parameters then take the optimizer's own step).
 """
-import os
-
 import torch
 
-from .._kernels import compiled_update, native
-from .._kernels.fused_adamw import Hyper, arithmetic, step_
+from .._common import switches
+from .._kernels import compiled_update, native, ops
+from .._kernels.fused_adamw import Hyper, arithmetic
 from .._kernels.fused_masters import step_master_, step_remainder_
 from .shards import global_index, like, local
 
@@ -39,20 +39,20 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def enabled() -> bool:
-    """``AMPKIT_FUSED`` is not ``0``, and no ``torch.compile`` is tracing the step (a compiled
-    step is torch's own: the kernels are opaque calls that it cannot trace)."""
-    return os.environ.get("AMPKIT_FUSED", "1") != "0" and not torch.compiler.is_compiling()
+    """``AMPKIT_FUSED`` is not ``0``."""
+    return switches.on("AMPKIT_FUSED")
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
     """Whether ``p`` of ``group`` steps in O7's `step`: a bf16 parameter on CPU or where
     the compiled kernel runs (``compiled_update.available``: CUDA with Triton), with a dense
     bf16 gradient, of an exact AdamW / Adam whose group asks for nothing this kernel does not
-    do, and state (if any) as this path keeps it. (Elsewhere torch's own AdamW kernels stay:
-    the eager reference off CPU is no faster than them.)"""
+    do, and state (if any) as this path keeps it; under ``torch.compile`` on CPU only (the
+    declared op). (Elsewhere torch's own AdamW kernels stay: the eager reference off CPU is no
+    faster than them.)"""
     device = local(p).device
-    if not _bf16_dense(p, grad) or not plain_group(optimizer, group) or (
-            device.type != "cpu" and not compiled_update.available(device)):
+    if not _bf16_dense(p, grad) or not exact_group(optimizer, group) or (
+            device.type != "cpu" and (torch.compiler.is_compiling() or not compiled_update.available(device))):
         return False
     return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
 
@@ -75,6 +75,12 @@ def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.T
 
 
 def plain_group(optimizer, group: dict) -> bool:
+    """`exact_group`, and no ``torch.compile`` tracing the step: only O7's kernel (`eligible`) is a
+    declared op (``_kernels/ops.py``); the other kernels are ctypes calls that Dynamo cannot trace."""
+    return exact_group(optimizer, group) and not torch.compiler.is_compiling()
+
+
+def exact_group(optimizer, group: dict) -> bool:
     """Whether ``optimizer`` is an exact AdamW / Adam and ``group`` asks for nothing the fused
     kernels do not do (amsgrad, capturable, differentiable, fused)."""
     return type(optimizer) in KINDS and not (group.get("amsgrad") or group.get("capturable")
@@ -99,15 +105,20 @@ def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
 
 
 def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
-    """``p``'s state (made as torch makes it on a first step, in ``dtype``) with its step count
-    advanced, and this step's `Hyper`."""
+    """`_advance`, and this step's `Hyper`."""
+    state = _advance(optimizer, p, dtype)
+    return state, hyper(optimizer, group, state["step"].item())
+
+
+def _advance(optimizer, p: torch.Tensor, dtype) -> dict:
+    """``p``'s state (made as torch makes it on a first step, in ``dtype``) with its step count advanced."""
     state = optimizer.state[p]
     if not state:
         state["step"] = torch.tensor(0.0)
         for k in STATE_KEYS[1:]:
             state[k] = like(torch.zeros_like(local(p), dtype=dtype, memory_format=torch.preserve_format), p)
     state["step"] += 1
-    return state, hyper(optimizer, group, state["step"].item())
+    return state
 
 
 def hyper(optimizer, group: dict, step: float) -> Hyper:
@@ -122,14 +133,14 @@ def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> Non
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible`)."""
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
     for group, p in params:
-        state, hyper = _begin(optimizer, group, p, dtype)
-        args = (local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
-                rounder.seed, rounder.step, ids[p], global_index(p))
+        state = _advance(optimizer, p, dtype)
+        args = (local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]))
+        bits = (rounder.seed, rounder.step, ids[p], global_index(p))
         with torch.no_grad():
             if compiled_update.available(args[0].device):
-                compiled_update.step_(*args)
-            else:
-                step_(*args, native.library() if args[0].device.type == "cpu" else None)
+                compiled_update.step_(*args, hyper(optimizer, group, state["step"].item()), *bits)
+            else:  # the declared op reads the step count itself: a compiled step has no .item() here
+                ops.adamw_step_(*args, hyper(optimizer, group, 0.0), state["step"], *bits)
 
 
 def step_fp32_(optimizer, params) -> None:

@@ -1,10 +1,10 @@
 """torch.compile over an initialized model and its optimizer step, at every opt level.
 
-At O7 only the model is compiled: its transient update swaps fresh float32 copies into the
-optimizer's param_groups every step (so a compiled ``torch.optim`` step recompiles every step
-until Dynamo's recompile limit) and its stochastic rounding computes counter bits in eager
-integer kernels (on CPU a C kernel called through ctypes, a graph break); the step stays eager,
-as the README says.
+At O7 only the model is compiled in the per-level cases: its transient update swaps fresh float32
+copies into the optimizer's param_groups every step for what the fused AdamW does not take (so a
+compiled ``torch.optim`` step recompiles every step until Dynamo's recompile limit). The fused
+AdamW itself is a declared op (``ampkit::adamw_bf16``): a compiled O7 step runs it with the eager
+step's bits (the last two tests).
 
 Compiles are expensive here (tens of seconds each with inductor), so the per-level cases
 use the ``aot_eager`` backend: it traces the forward with Dynamo (``fullgraph=True``, so
@@ -169,3 +169,60 @@ def test_documented_pattern_through_inductor(level, device):
     for key, value in eager_state.items():
         assert state[key].dtype == value.dtype
         torch.testing.assert_close(state[key], value, rtol=TOL[level], atol=STATE_ATOL[level], equal_nan=True)
+
+
+def _o7_weights(compiled: bool, steps: int = 4):
+    """The bf16 weights after each of ``steps`` O7 steps (AdamW, fused), the step compiled or eager,
+    and the ops the last step ran (profiled)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = ampkit.initialize(model, opt, opt_level="O7", verbosity=0)
+    step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+    batches, _ = _batches()
+    out = []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x["x"].bfloat16()).float(), y)
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+        out.append([p.detach().view(torch.int16).clone() for p in model.parameters()])
+    return out, [e.name for e in prof.events()]
+
+
+def test_a_compiled_o7_step_runs_the_fused_op_with_the_eager_steps_bits(lib):
+    """O7's fused AdamW is a declared op (``ampkit::adamw_bf16``): a compiled step runs it, once
+    per parameter, and its weights equal the eager step's bit for bit at every step."""
+    eager, eager_ops = _o7_weights(False)
+    compiled, ops = _o7_weights(True)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(eager, compiled) for a, b in zip(step_a, step_b))
+    assert not all(torch.equal(a, b) for a, b in zip(eager[0], eager[-1]))  # it trained
+    assert ops.count("ampkit::adamw_bf16") == eager_ops.count("ampkit::adamw_bf16") == 4
+    assert "aten::_fused_adamw_" not in ops and "aten::_foreach_add_" not in ops  # no torch.optim update
+
+
+def test_the_fused_op_compiles_into_one_graph_with_the_eager_bits(lib):
+    """``fullgraph=True``: the op traces (its fake), and five compiled steps equal five eager ones."""
+    from ampkit._kernels import ops
+    from ampkit._kernels.fused_adamw import Hyper
+
+    def step(w, g, m, v, count, rstep):
+        count += 1
+        ops.adamw_step_(w, g, m, v, Hyper(1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, 0.0), count, 7, rstep, 3, 0)
+
+    gen = torch.Generator().manual_seed(0)
+    runs = [[torch.randn(1000, generator=gen).bfloat16(), torch.randn(1000, generator=gen).bfloat16(),
+             torch.zeros(1000), torch.zeros(1000), torch.zeros(())]]
+    runs.append([t.clone() for t in runs[0]])
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for rstep in range(5):
+        step(*runs[0], rstep)
+        compiled(*runs[1], rstep)
+    assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16)
+                           if b.dtype == torch.bfloat16 else b) for a, b in zip(*runs))
+    assert runs[1][4].item() == 5.0 and not torch.equal(runs[1][2], torch.zeros(1000))
