@@ -1,4 +1,4 @@
-"""The ``ampkit`` command: ``ampkit demo`` and ``ampkit levels``.
+"""The ``ampkit`` command: ``ampkit demo``, ``ampkit levels``, ``ampkit env`` and ``ampkit kernels``.
 
 torch is imported only by the commands that need it: ``--help`` and ``--version`` start fast.
 """
@@ -54,6 +54,11 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", type=_device, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     demo.add_argument("--json", metavar="PATH", help="also write the machine description and the rows as JSON")
     sub.add_parser("levels", help="print the opt-level property table")
+    sub.add_parser("env", help="the compiler, OpenMP, CPU, C kernels, cache, measured capabilities and AMPKIT_* switches")
+    kernels = sub.add_parser("kernels", help="ampkit kernels --build: the C kernels built ahead of time")
+    kernels.add_argument("--build", action="store_true", required=True,
+                         help="build them now into the cache ($AMPKIT_CACHE_DIR, default ~/.cache/ampkit; set it to "
+                              "build elsewhere), where every later process loads them from")
     sub.add_parser("report", add_help=False,
                    help="which layers of the demo models each opt level would hurt (ampkit report --help)")
     return p
@@ -72,6 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "levels":
         print(levels.format_table())
         return 0
+    if args.command in ("env", "kernels"):
+        from . import env
+
+        return env.main_env() if args.command == "env" else env.main_kernels()
     from . import demo
 
     models = demo.MODELS if args.model == "all" else (args.model,)
