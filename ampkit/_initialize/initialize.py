@@ -4,7 +4,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .._config.levels import HALF_DTYPES
+from .._config.levels import UpdateKind
 from .._parallel.distributed import DistributedDataParallel
 from .._run import registry
 from .._run.run import Run
@@ -146,7 +146,7 @@ def wrap(plan):
     if not request.options["ddp"]:
         return request.given_models
     kwargs = dict(request.options["ddp_kwargs"] or {})
-    kwargs.setdefault("allreduce_always_fp32", plan.props.cast_model_type in HALF_DTYPES and not plan.props.master_weights)
+    kwargs.setdefault("allreduce_always_fp32", plan.props.reduces_in_fp32)
     models = [DistributedDataParallel(m, **kwargs) for m in request.models]
     return models[0] if request.single_model else models
 
@@ -161,7 +161,7 @@ def add_optimizers(models: list, optimizers: list, caller: str) -> None:
                          f"expected one.")
     run = next(iter(runs.values()))
     props, states = run.properties, [m._ampkit for m in models]
-    masters = props.master_weights is True and props.cast_model_type in HALF_DTYPES and not any(s.sharded for s in states)
+    masters = props.update is UpdateKind.MASTERS and not any(s.sharded for s in states)
     check_optimizers(optimizers, models, masters)
     for opt in optimizers:
         attach_optimizer(opt, run, masters, states, {})
