@@ -14,9 +14,9 @@ def manual_seed(seed: int, optimizer=None) -> None:
     current run, the latest ``initialize`` with optimizers). The default seed is 0."""
     caller = "ampkit.stochastic_rounding.manual_seed()"
     run = registry.run_of(caller, optimizer)
-    if run.rounding is None:
+    if run.rounder is None:
         raise RuntimeError(
             f"{caller}: {run.describe()} does not round updates stochastically (use opt_level='O7' "
             f"or update_rounding='stochastic')."
         )
-    run.rounding.manual_seed(seed)
+    run.rounder.manual_seed(seed)

@@ -15,15 +15,28 @@ from .._optim.optimizer_state import OptimizerState
 from .._parallel import fsdp
 from .._run.run import Run
 from .._run.scaler import LossScaler
-from .._update import transient_update
+from .._update.base import OptimizerUpdate
+from .._update.eight_bit import EightBitUpdate
+from .._update.masters import MastersUpdate
+from .._update.remainder import RemainderUpdate
+from .._update.rounded import RoundedUpdate
 from .plan import Plan, device_type
+
+
+UPDATES = {  # how each kind of update reaches the weights: the class the optimizer state holds as .update
+    UpdateKind.OPTIMIZER: OptimizerUpdate,
+    UpdateKind.MASTERS: MastersUpdate,
+    UpdateKind.REMAINDER: RemainderUpdate,
+    UpdateKind.ROUNDED: RoundedUpdate,
+    UpdateKind.EIGHT_BIT: EightBitUpdate,
+}
 
 
 def apply(plan: Plan) -> Run:
     """Cast and hook the models, shard them (FSDP2), attach masters and the step protocol."""
     opts, props = plan.request.options, plan.props
     run = Run(True, props, verbosity=opts["verbosity"], device_type=plan.device_type,
-              rounding=StochasticRounder() if _rounds_stochastically(props) else None,
+              rounder=StochasticRounder() if _rounds_stochastically(props) else None,
               optimizer_names=[type(o).__name__ for o in plan.request.optimizers])
     # Masters start from the fp32 values, not from the rounded half copies: keep the
     # pre-cast tensors (no copy; the cast rebinds .data).
@@ -47,12 +60,7 @@ def apply(plan: Plan) -> Run:
 def attach_optimizer(opt, run: Run, use_masters: bool, model_states: list, originals: dict) -> None:
     """The step protocol on ``opt``, with the masters (or remainders) its parameters already
     have in ``model_states``, else new ones from ``originals``."""
-    props = run.properties
-    OptimizerState(opt, run, use_masters, model_states, originals).attach()
-    if props.update is UpdateKind.REMAINDER:
-        transient_update.attach_remainders(opt._ampkit, originals, props.optimizer_state_dtype)
-    elif props.update in (UpdateKind.ROUNDED, UpdateKind.EIGHT_BIT):
-        transient_update.attach(opt._ampkit, props.update_rounding, run.rounding, props.optimizer_state_dtype)
+    OptimizerState(opt, run, use_masters, model_states, originals).attach(UPDATES[run.properties.update])
 
 
 def _rounds_stochastically(props) -> bool:

@@ -319,7 +319,7 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     undo_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
     undo_opt = copy.deepcopy(optimizer.state_dict())
     undo_amp = [dict(s.state_dict()) for s in scalers]
-    rounder = run.rounding
+    rounder = run.rounder
     undo_rounding = rounder.state_dict() if rounder is not None else None
     try:
         model.load_state_dict(payload["model"])

@@ -21,7 +21,7 @@ from .._config.levels import HALF_DTYPES
 from .._kernels.unscale import copy_unscale_and_check_, unscale_and_check_
 from .._parallel.ddp_windows import mark_windows, reduce_windows
 from .._run.overflow import OverflowCheck
-from .._update import fused_update
+from .._update.masters import MastersUpdate
 from .step_hooks import hooks_set_aside, run_post_hooks, run_pre_hooks, unhooked_step
 
 
@@ -100,14 +100,17 @@ class OptimizerState:
         self.keep_grads = False  # zero_grad(set_to_none=False) was used: master grads persist
         unhooked = unhooked_step(optimizer)
         self.runs_hooks = unhooked is not None  # torch's step hooks run around the whole step (step_hooks.py)
-        self._step = unhooked or optimizer.step
+        self.own_step = unhooked or optimizer.step
+        self.update = None  # how the step reaches the weights (`ampkit._update`), set by `attach`
         self._zero_grad = optimizer.zero_grad
         self._zero_grad_takes_set_to_none = _takes(optimizer.zero_grad, "set_to_none")
         self._add_param_group = optimizer.add_param_group
 
     # -- setup -------------------------------------------------------------------------
-    def attach(self) -> None:
-        """Create masters for the half parameters and wrap the optimizer's methods."""
+    def attach(self, update=MastersUpdate) -> None:
+        """Create masters for the half parameters, wrap the optimizer's methods, and attach
+        ``update`` (a class of ``ampkit._update`` for the level's ``Properties.update``;
+        FP16_Optimizer's masters by default)."""
         opt = self.optimizer
         for group in opt.param_groups:
             group["params"], new = self._with_masters(group["params"])
@@ -117,9 +120,13 @@ class OptimizerState:
             # torch.amp.GradScaler.step then hands its scale to step() (see _step), instead of
             # failing on "No inf checks were recorded" against the masters' empty gradients.
             opt._step_supports_amp_scaling = True
+        # torch's step hooks can neither skip nor replace the step, and torch has no hooks for
+        # zero_grad or add_param_group: these three are wrapped on the instance.
         opt.step = _wrapped_step(opt, opt.step)
         opt.zero_grad = types.MethodType(_zero_grad, opt)
         opt.add_param_group = types.MethodType(_add_param_group, opt)
+        self.update = update(self)
+        self.update.attach()
 
     def _existing_master(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The master another optimizer of the same models already made for ``param``."""
@@ -425,9 +432,9 @@ class OptimizerState:
         if self.runs_hooks:
             run_pre_hooks(self.optimizer)
             with hooks_set_aside(self.optimizer):
-                result, written = self._update()
+                result, written = self.update.step()
         else:
-            result, written = self._update()
+            result, written = self.update.step()
         self.copy_masters_to_model(written)
         if self.runs_hooks:
             run_post_hooks(self.optimizer)
@@ -437,31 +444,9 @@ class OptimizerState:
         self.stage = Stage.READY
         return result
 
-    def _update(self):
-        """The optimizer's step, and the model parameters it wrote: masters of a plain AdamW /
-        Adam (``fused_update.py``) step in one fused pass each, which writes their model
-        parameters too; the optimizer's own step does the rest (it skips parameters without
-        gradients, so the fused masters' are set aside for it)."""
-        fused = fused_update.masters_to_step(self.optimizer, self.owner) if self.masters else []
-        if not fused:
-            return self._step(), ()
-        held = len(self.optimizer.state)
-        fused_update.step_masters(self.optimizer, fused)
-        grads = [(m, m.grad) for _, m, _ in fused]
-        for m, _ in grads:
-            m.grad = None
-        try:
-            result = self._step()
-        finally:
-            for m, g in grads:
-                m.grad = g
-        if len(self.optimizer.state) != held:  # new state: in the order torch's own step makes it
-            fused_update.order_state(self.optimizer, {m: i for i, m in enumerate(self.step_params())})
-        return result, {p for _, _, p in fused}
-
     def update_skipped(self) -> None:
         """The step left weights and state as they were (its update would have written
-        non-finite weights, see ``transient_update.py``): ``step_was_skipped`` says so."""
+        non-finite weights, see ``_update/eight_bit.py``): ``step_was_skipped`` says so."""
         self.last_step_skipped = True
 
     def copy_masters_to_model(self, written=()) -> None:

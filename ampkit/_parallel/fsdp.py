@@ -12,7 +12,7 @@ Each level maps onto FSDP2's own machinery; nothing here communicates by itself:
 * O7 and ``master_weights="remainder"`` (bf16 model, masterless transient update): as O3,
   ``MixedPrecisionPolicy(reduce_dtype=float32)`` on bf16 shards, so there is no fp32 copy of
   the weights, all-gathers move bf16 and gradients are summed in float32 (FSDP2 stores the
-  reduced gradient in the parameter's dtype, bf16). ``TransientUpdate`` steps each rank's
+  reduced gradient in the parameter's dtype, bf16). The chunked update (``_update/chunks.py``) steps each rank's
   local shards (``_update/shards.py``); remainders are local int16 shards; the rounding bits
   are a pure function of the seed, the step and each element's index in its full parameter
   (``_kernels/counter_bits.py``), so every rank rounds its shard as one unsharded run would.
@@ -368,8 +368,8 @@ def load_sharded(checkpoint_id, model: nn.Module, optimizer: torch.optim.Optimiz
     amp = saved["amp"] if saved is not None else state["amp"]
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     run.load_state_dict(amp, caller)
-    if run.rounding is not None and ROUNDING_KEY not in amp:  # from a level without rounding (O5): a fresh start
-        run.rounding.manual_seed(run.rounding.seed)  # get_state_dict's initializing step may have advanced it
+    if run.rounder is not None and ROUNDING_KEY not in amp:  # from a level without rounding (O5): a fresh start
+        run.rounder.manual_seed(run.rounder.seed)  # get_state_dict's initializing step may have advanced it
 
 
 def _saved_run_state(checkpoint_id, run, optimizer) -> Optional[dict]:
@@ -384,7 +384,7 @@ def _saved_run_state(checkpoint_id, run, optimizer) -> Optional[dict]:
     state = {k: v for k, v in state.items() if v is not None}
     _dcp_load(state, checkpoint_id, None, run, optimizer)
     state.setdefault("amp", {})
-    if run.rounding is None:  # a level without rounding: nothing to continue (as ampkit.checkpoint.load)
+    if run.rounder is None:  # a level without rounding: nothing to continue (as ampkit.checkpoint.load)
         state["amp"].pop(ROUNDING_KEY, None)
     run.check_state(state["amp"], "ampkit.parallel.load_sharded")
     return state

@@ -20,14 +20,14 @@ class Run:
     """The outcome of one ``initialize`` call."""
 
     def __init__(self, enabled: bool, properties=None, scalers=(), verbosity: int = 1, device_type: str = "cpu",
-                 rounding: Optional[StochasticRounder] = None, optimizer_names=()):
+                 rounder: Optional[StochasticRounder] = None, optimizer_names=()):
         self.id = 0  # set by registry.register
         self.enabled = enabled
         self.properties = properties
         self.scalers: List[LossScaler] = list(scalers)
         self.verbosity = verbosity
         self.device_type = device_type
-        self.rounding = rounding  # at update_rounding="stochastic", and with 8-bit optimizer state
+        self.rounder = rounder  # at update_rounding="stochastic", and with 8-bit optimizer state
         self.optimizer_names = tuple(optimizer_names)
         self.trains = bool(optimizer_names)
         self.floor_warned = set()  # loss ids whose min_loss_scale warning was logged
@@ -45,8 +45,8 @@ class Run:
         out = {} if destination is None else destination
         for i, s in enumerate(self.scalers):
             out[f"loss_scaler{i}"] = s.state_dict()
-        if self.rounding is not None:
-            out[ROUNDING_KEY] = self.rounding.state_dict()
+        if self.rounder is not None:
+            out[ROUNDING_KEY] = self.rounder.state_dict()
         return out
 
     def load_state_dict(self, state: dict, caller: str = "ampkit.load_state_dict") -> None:
@@ -54,8 +54,8 @@ class Run:
         scalers, rounding = self.check_state(state, caller)
         for scaler, value in zip(self.scalers, scalers):
             scaler.load_state_dict(value)
-        if rounding is not None and self.rounding is not None:
-            self.rounding.load_state_dict(rounding)
+        if rounding is not None and self.rounder is not None:
+            self.rounder.load_state_dict(rounding)
 
     def check_state(self, state, caller: str):
         """The scaler states (in loss order) and the rounding state of ``state``; errors name the key."""
@@ -76,7 +76,7 @@ class Run:
             LossScaler.check_state(key, value)
         if rounding is not None:
             StochasticRounder.check_state(ROUNDING_KEY, rounding)
-            if self.rounding is None:
+            if self.rounder is None:
                 warnings.warn(f"{caller}: {ROUNDING_KEY!r} has no effect: nothing rounds updates "
                               f"stochastically in this run.", NoEffectWarning, stacklevel=4)
         return [rest[f"loss_scaler{i}"] for i in range(n)], rounding

@@ -57,7 +57,7 @@ def _batches(device="cpu"):
 
 def _snapshot(model, opt):
     """What a skipped step must leave as it was: weights, optimizer state, the rounding state."""
-    rounder = opt._ampkit.run.rounding
+    rounder = opt._ampkit.run.rounder
     weights = list(model.parameters()) + [p for g in opt.param_groups for p in g["params"]]  # masters too
     return ([p.detach().clone() for p in weights],
             [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)],

@@ -5,7 +5,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ampkit
-from ampkit._update import transient_update
+from ampkit._update import chunks
 
 
 def build(level, opt_cls=torch.optim.AdamW, **kw):
@@ -86,9 +86,9 @@ class CountingSGD(torch.optim.SGD):
 
 
 def test_o7_chunked_step_is_one_step_for_hooks_and_group_counters(monkeypatch):
-    monkeypatch.setattr(transient_update, "CHUNK_ELEMENTS", 64)  # several chunks for this small model
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 64)  # several chunks for this small model
     model, opt = build("O7", opt_cls=CountingSGD)
-    assert len(transient_update.chunks([(None, 0, p) for p in model.parameters()], 64)) > 2
+    assert len(chunks.chunks([(None, 0, p) for p in model.parameters()], 64)) > 2
     pre, post = [], []
     opt.register_step_pre_hook(lambda *a: pre.append(1))
     opt.register_step_post_hook(lambda *a: post.append(1))

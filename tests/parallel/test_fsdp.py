@@ -431,7 +431,7 @@ def _transient_worker(rank, world_size, checkpoint_dir):
         model, opt = _build(level, seed=rank, distributed=True)
         out[f"{level}/export"] = {k: v.clone() for k, v in full_state_dict(model).items()}  # the masters before training
         out[f"{level}/train"] = _outcome(model, opt, *_train(model, opt, range(STEPS), rank))
-        rounding = opt._ampkit.run.rounding
+        rounding = opt._ampkit.run.rounder
         out[f"{level}/rounding"] = None if rounding is None else rounding.state_dict()
         opt.zero_grad()
         out[f"{level}/footprint"] = ampkit.footprint.persistent_bytes([model], [opt])

@@ -277,13 +277,13 @@ def test_an_old_o7_checkpoint_with_generator_states_loads_its_seed_and_step(tmp_
     model, opt = _trained("O7", steps=4, seed=0)
     ampkit.stochastic_rounding.manual_seed(9, opt)
     train(model, opt, *fixed_batch(), 2)
-    saved = opt._ampkit.run.rounding.state_dict()
+    saved = opt._ampkit.run.rounder.state_dict()
     assert saved == {"seed": 9, "step": 2}
     _save_with_generators(monkeypatch, tmp_path / "old.ckpt", model, opt, {"cpu": torch.Generator().get_state()})
     assert "generators" in torch.load(tmp_path / "old.ckpt", weights_only=True)["amp"]["stochastic_rounding"]
     other, oopt = _trained("O7", steps=3, seed=5)
     checkpoint.load(tmp_path / "old.ckpt", other, oopt)
-    assert oopt._ampkit.run.rounding.state_dict() == saved
+    assert oopt._ampkit.run.rounder.state_dict() == saved
     assert_unchanged(_content(_full(model, opt)), _content(_full(other, oopt)), "loaded vs saved")
 
 
@@ -291,8 +291,8 @@ def test_an_old_checkpoint_with_a_malformed_generator_state_is_refused_and_chang
     model, opt = _trained("O7", steps=2, seed=0)
     _save_with_generators(monkeypatch, tmp_path / "bad.ckpt", model, opt, {"cpu": torch.zeros(3)})
     other, oopt = _trained("O7", steps=3, seed=5)
-    before, rounding = _full(other, oopt), oopt._ampkit.run.rounding.state_dict()
+    before, rounding = _full(other, oopt), oopt._ampkit.run.rounder.state_dict()
     with pytest.raises(CheckpointError, match=r"stochastic_rounding\['generators'\]\['cpu'\]: expected a generator state"):
         checkpoint.load(tmp_path / "bad.ckpt", other, oopt)
     assert_unchanged(before, _full(other, oopt), "refused load")
-    assert oopt._ampkit.run.rounding.state_dict() == rounding
+    assert oopt._ampkit.run.rounder.state_dict() == rounding

@@ -44,7 +44,7 @@ def test_manual_seed_after_an_inference_only_initialize_reseeds_the_training_run
     model, opt = build("O7")
     build("O5", seed=1, optimizer=False)
     ampkit.stochastic_rounding.manual_seed(5)
-    assert opt._ampkit.run.rounding.seed == 5
+    assert opt._ampkit.run.rounder.seed == 5
 
 
 def test_two_o7_runs_manual_seed_uses_the_newest_unless_told(caplog):
@@ -53,10 +53,10 @@ def test_two_o7_runs_manual_seed_uses_the_newest_unless_told(caplog):
     with caplog.at_level(logging.WARNING, logger="ampkit"):
         ampkit.stochastic_rounding.manual_seed(7)
         ampkit.stochastic_rounding.manual_seed(8)
-    assert o2._ampkit.run.rounding.seed == 8 and o1._ampkit.run.rounding.seed == 0
+    assert o2._ampkit.run.rounder.seed == 8 and o1._ampkit.run.rounder.seed == 0
     assert sum("training runs" in r.getMessage() for r in caplog.records) == 1
     ampkit.stochastic_rounding.manual_seed(3, optimizer=o1)
-    assert o1._ampkit.run.rounding.seed == 3 and o2._ampkit.run.rounding.seed == 8
+    assert o1._ampkit.run.rounder.seed == 3 and o2._ampkit.run.rounder.seed == 8
 
 
 def test_manual_seed_names_the_run_when_it_does_not_round():

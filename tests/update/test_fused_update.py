@@ -187,7 +187,7 @@ def test_training_with_the_kernel_equals_the_eager_path(lib, monkeypatch, tmp_pa
         model, opt = o7(state_dtype, adam)
         assert all(fused_update.eligible(opt, opt.param_groups[0], p, p.detach(), state_dtype) for p in model.parameters())
         train(model, opt, data[:4], poison=(1,))
-        assert current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounding.step == 3
+        assert current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounder.step == 3
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)},
                    tmp_path / f"{kind}.pt")
         middle = snapshot(model, opt)

@@ -13,7 +13,7 @@ from ampkit._kernels import native
 from ampkit._kernels.fused_adamw import Hyper, arithmetic
 from ampkit._run.registry import current as current_run
 from ampkit._kernels.rounding import StochasticRounder, round_counter_
-from ampkit._update import fused_update_8bit, state_8bit, transient_update
+from ampkit._update import chunks, fused_update_8bit, state_8bit
 from tests.update.test_fused_update import ADAMS, batches, make_model, train
 from tests.update.test_state_8bit import (_dot_model, adam_constant, adam_state_bound, assert_state_within_bounds,
                                            one_large_gradient_per_block, raw_state, train_on)
@@ -32,9 +32,9 @@ def o8(adam="adamw", model=None):
 
 def calls_of_own_step(opt) -> list:
     """Count the optimizer's own step calls (the eager path's)."""
-    update, calls = opt._ampkit._step, []
-    inner = update.step
-    update.step = lambda: calls.append(1) or inner()
+    update, calls = opt._ampkit.update, []
+    inner = update.own_step
+    update.own_step = lambda: calls.append(1) or inner()
     return calls
 
 
@@ -58,7 +58,7 @@ def test_the_fused_path_stores_what_state_8bit_packs(lib, monkeypatch, adam):
         train_on(model, opt, x)
     p, group = model.w, opt.param_groups[0]
     st, w = {k: v.clone() for k, v in opt.state[p].items()}, p.detach().clone()
-    seed, step = current_run("test").rounding.seed, current_run("test").rounding.step
+    seed, step = current_run("test").rounder.seed, current_run("test").rounder.step
     seen, calls, inner = {}, calls_of_own_step(opt), fused_update_8bit.step
     monkeypatch.setattr(fused_update_8bit, "step", lambda o, chunk, grads, *a: seen.update(grads) or inner(o, chunk, grads, *a))
     train_on(model, opt, x)
@@ -102,7 +102,7 @@ def test_training_with_the_kernel_equals_the_eager_reference(lib, monkeypatch, t
         calls = calls_of_own_step(opt)
         assert all(fused_update_8bit.eligible(opt, opt.param_groups[0], p, p.detach()) for p in model.parameters())
         train(model, opt, data[:4], poison=(1,))
-        assert not calls and current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounding.step == 3
+        assert not calls and current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounder.step == 3
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)},
                    tmp_path / f"{kind}.pt")
         middle, opt_state_then = snapshot(model, opt), copy.deepcopy(opt.state_dict()["state"])
@@ -178,7 +178,7 @@ def test_a_chunk_with_a_non_finite_weight_writes_nothing_on_either_path(monkeypa
     of 3e37 up (maximize) on the one at bfloat16's top makes its weight infinite, on the
     fused path (``w``) or the eager one (``u``): the whole first chunk writes nothing (weights,
     codes, scales, step counts), ``v`` steps, and the step is reported skipped."""
-    monkeypatch.setattr(transient_update, "CHUNK_ELEMENTS", 1200)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1200)
     model = _Three(600, {where: 3.3e38})
     opt = torch.optim.Adam([{"params": [model.w], "maximize": where == "w"},
                             {"params": [model.u], "amsgrad": True, "maximize": where == "u"}, {"params": [model.v]}], lr=1e-3)

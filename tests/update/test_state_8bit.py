@@ -18,7 +18,7 @@ from torch import nn
 import ampkit
 from ampkit._kernels.blockquant import dequantize, num_blocks
 from ampkit._run.registry import current as current_run
-from ampkit._update import state_8bit, transient_update
+from ampkit._update import chunks, state_8bit
 
 from .test_transient_update import train
 
@@ -192,7 +192,7 @@ def test_overflow_skip_leaves_codes_scales_weights_and_the_rounding_step_untouch
     train(model, opt, batches(2))
     weights = [p.detach().clone() for p in model.parameters()]
     state = raw_state(opt)
-    rng = current_run("test").rounding.state_dict()
+    rng = current_run("test").rounder.state_dict()
     x, y = batches(1)[0]
     opt.zero_grad()
     with ampkit.scale_loss(F.mse_loss(model(x), y) * float("inf"), opt) as scaled:
@@ -202,7 +202,7 @@ def test_overflow_skip_leaves_codes_scales_weights_and_the_rounding_step_untouch
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     after = raw_state(opt)
     assert after.keys() == state.keys() and all(torch.equal(state[k], after[k]) and state[k].dtype == after[k].dtype for k in state)
-    assert current_run("test").rounding.state_dict() == rng == {"seed": rng["seed"], "step": 2}
+    assert current_run("test").rounder.state_dict() == rng == {"seed": rng["seed"], "step": 2}
     train(model, opt, batches(1))  # the next clean step moves on
     assert any(not torch.equal(state[k], v) for k, v in raw_state(opt).items())
 
@@ -215,10 +215,10 @@ def test_chunked_step_equals_one_chunk(monkeypatch, opt_name, rounding):
     data = batches(3)
     model, opt = build(opt_name=opt_name, bn=True, update_rounding=rounding)
     train(model, opt, data)
-    monkeypatch.setattr(transient_update, "CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 300)
     small, small_opt = build(opt_name=opt_name, bn=True, update_rounding=rounding)
-    inner, calls = small_opt._ampkit._step.step, []
-    small_opt._ampkit._step.step = lambda: calls.append(1) or inner()
+    inner, calls = small_opt._ampkit.update.own_step, []
+    small_opt._ampkit.update.own_step = lambda: calls.append(1) or inner()
     train(small, small_opt, data)
     assert len(calls) == 3 * 3  # per step: [fc1.weight 512, the BatchNorm], [fc1.bias 64], [fc2.weight 256, fc2.bias 4]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), small.parameters()))
@@ -348,7 +348,7 @@ def test_an_old_checkpoint_with_generator_state_loads_and_continues_from_its_see
         model.load_state_dict(c["model"])
         opt.load_state_dict(c["optimizer"])
         ampkit.load_state_dict(copy.deepcopy(c["amp"]), optimizer=opt)
-        assert (opt._ampkit.run.rounding.seed, opt._ampkit.run.rounding.step) == (9, 3 if with_step else 0)
+        assert (opt._ampkit.run.rounder.seed, opt._ampkit.run.rounder.step) == (9, 3 if with_step else 0)
         runs.append((train(model, opt, data[3:]), [p.detach().clone() for p in model.parameters()], raw_state(opt)))
     (la, wa, sa), (lb, wb, sb) = runs
     assert la == lb and all(torch.equal(a, b) for a, b in zip(wa, wb))
@@ -382,9 +382,9 @@ def test_loading_fp32_state_quantizes_it_without_drawing():
     fresh_opt.load_state_dict(copy.deepcopy(sd))
     model, opt = build()
     train(model, opt, batches(1))  # the run's step counter has moved
-    rng = opt._ampkit.run.rounding.state_dict()
+    rng = opt._ampkit.run.rounder.state_dict()
     opt.load_state_dict(sd)
-    assert opt._ampkit.run.rounding.state_dict() == rng and rng["step"] == 1
+    assert opt._ampkit.run.rounder.state_dict() == rng and rng["step"] == 1
     assert raw_state(opt).keys() == raw_state(fresh_opt).keys()
     assert all(torch.equal(a, b) for a, b in zip(raw_state(opt).values(), raw_state(fresh_opt).values()))
     loaded = opt.state_dict()["state"]
@@ -440,7 +440,7 @@ def record_steps(opt):
     arithmetic for a plain AdamW / Adam): each call's parameters before and after it, float64.
     On the chunks' path (the fused kernel steps no copies: tests/update/test_fused_update_8bit.py
     bounds it)."""
-    update, log = opt._ampkit._step, []
+    update, log = opt._ampkit.update, []
     update._fusable = lambda group, p, grad: False
     inner = update._optimizer_step
 
@@ -655,7 +655,7 @@ def test_a_step_that_would_write_a_non_finite_weight_is_skipped(case, caplog):
         assert not ampkit.step_was_skipped(opt) and torch.isfinite(model.w).all()
     weights = [p.detach().clone() for p in model.parameters()]
     state = raw_state(opt)
-    rng = copy.deepcopy(current_run("test").rounding.state_dict())
+    rng = copy.deepcopy(current_run("test").rounder.state_dict())
     with caplog.at_level("WARNING", logger="ampkit"):
         train_on(model, opt, torch.ones(n) * (1 if lead else -1))
     assert ampkit.step_was_skipped(opt)
@@ -664,7 +664,7 @@ def test_a_step_that_would_write_a_non_finite_weight_is_skipped(case, caplog):
     after = raw_state(opt)
     assert after.keys() == state.keys() and all(torch.equal(state[k], after[k]) for k in state)
     assert (case == "adam_first_step_overflows") == (model.w not in opt.state or not opt.state[model.w])
-    assert current_run("test").rounding.state_dict() == rng
+    assert current_run("test").rounder.state_dict() == rng
     for group in opt.param_groups:
         group["lr"] = 1e-3
     train_on(model, opt, torch.ones(n))

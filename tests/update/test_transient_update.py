@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit._update import transient_update
+from ampkit._update import chunks
 from ampkit._run.registry import current as current_run
 from ampkit._kernels.rounding import StochasticRounder
 
@@ -115,8 +115,8 @@ def test_stochastic_rounding_moves_weights_nearest_rounding_cannot():
 def test_chunks_bound_the_transient_and_step_each_parameter_once():
     params = [torch.zeros(n, dtype=torch.bfloat16) for n in (3, 4, 10, 2, 2)] + [torch.zeros(5)]
     slots = [("g", i, p) for i, p in enumerate(params)]
-    chunks = transient_update.chunks(slots, 6)
-    assert [[s[1] for s in c] for c in chunks] == [[0, 5], [1], [2], [3, 4]]  # fp32 joins the first; 10 > 6 alone
+    parts = chunks.chunks(slots, 6)
+    assert [[s[1] for s in c] for c in parts] == [[0, 5], [1], [2], [3, 4]]  # fp32 joins the first; 10 > 6 alone
 
 
 @pytest.mark.parametrize("rounding, state_dtype", [("nearest", None), ("stochastic", None), ("stochastic", torch.bfloat16)])
@@ -129,12 +129,12 @@ def test_chunked_step_equals_one_chunk(monkeypatch, rounding, state_dtype):
     model, opt = o7(bn=True, update_rounding=rounding, optimizer_state_dtype=state_dtype)
     train(model, opt, data)
     calls = []
-    monkeypatch.setattr(transient_update, "CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 40)
     small, small_opt = o7(bn=True, update_rounding=rounding, optimizer_state_dtype=state_dtype)
     own = {id(p) for p in small.parameters()}
-    inner = small_opt._ampkit._step.step
+    inner = small_opt._ampkit.update.own_step
     # Per optimizer call: the sizes of the transient fp32 copies it steps on.
-    small_opt._ampkit._step.step = lambda: calls.append([p.numel() for g in small_opt.param_groups for p in g["params"]
+    small_opt._ampkit.update.own_step = lambda: calls.append([p.numel() for g in small_opt.param_groups for p in g["params"]
                                                          if id(p) not in own]) or inner()
     train(small, small_opt, data)
     assert len(calls) == 3 * 4  # per step: [fc1.weight 256], [fc1.bias 32], [fc2.weight 128], [fc2.bias 4]
@@ -162,7 +162,7 @@ def test_overflow_skip_leaves_weights_state_and_rounding_untouched():
     train(model, opt, batches(2))
     weights = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
-    rounding = current_run("test").rounding.state_dict()
+    rounding = current_run("test").rounder.state_dict()
     x, y = batches(1)[0]
     opt.zero_grad()
     loss = F.mse_loss(model(x), y) * float("inf")
@@ -173,7 +173,7 @@ def test_overflow_skip_leaves_weights_state_and_rounding_untouched():
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     after = opt.state_dict()
     assert all(torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
-    assert current_run("test").rounding.state_dict()["step"] == rounding["step"] == 2  # the skip drew nothing
+    assert current_run("test").rounder.state_dict()["step"] == rounding["step"] == 2  # the skip drew nothing
     train(model, opt, batches(1))  # and the next clean step moves on
     assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
