@@ -8,6 +8,7 @@ Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdow
   public path (``::: ampkit.initialize``; ``lazy_exports.py`` makes them members of ``ampkit``);
 * ``<!-- ampkit:api ampkit.checkpoint -->`` (optionally followed by a heading level): that public
   module's mkdocstrings entry, limited to the names of its ``__all__`` (read statically);
+* ``<!-- ampkit:switches -->``: every ``AMPKIT_*`` environment switch, from ``ampkit._common.switches``;
 * ``<!-- ampkit:layers -->``: the package's layers as an inline SVG, from ``LAYERS`` in
   ``tests/test_layers.py`` (read statically) and the modules found under ``ampkit/``.
 
@@ -48,6 +49,16 @@ def levels_table() -> str:
     from ampkit._config import levels
 
     return levels.markdown_table()
+
+
+def switches_table() -> str:
+    from ampkit._common.switches import SWITCHES
+
+    lines = ["| variable | default | what it does |", "|---|---|---|"]
+    for sw in SWITCHES:
+        default = f"`{sw.default}`" if sw.default else "unset"
+        lines.append(f"| `{sw.name}` | {default} | {sw.meaning.replace('|', '&#124;')} |")
+    return "\n".join(lines)
 
 
 def public_exports() -> dict:
@@ -167,7 +178,7 @@ def bench_figures() -> str:
                 f"{m.get('cores')} cores, {m.get('threads')} threads per run, torch {m.get('torch')}, Python {m.get('python')}, "
                 f"device {m.get('device')}; 1-minute load average {m.get('load_average'):.1f} at the start and "
                 f"{data.get('load_average_end', float('nan')):.1f} at the end. Command: "
-                f"`python {' '.join(data.get('argv', ['benchmarks/run.py']))}`"
+                f"`python {' '.join(_argv(data.get('argv', ['benchmarks/run.py']), path))}`"
                 f"{' (--quick: a smoke run, not valid for the targets)' if data.get('quick') else ''}.", "",
                 f"![Speed-up and peak memory per level on {m.get('cpu')}]({path.stem}.png)".replace(
                     f"({path.stem}.png)", f"(figures/{path.stem}.png)"), ""]
@@ -188,6 +199,11 @@ def bench_figures() -> str:
             out += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in data["targets"]]
             out.append("")
     return "\n".join(out) if out else "No results are committed yet."
+
+
+def _argv(argv: list, path: Path) -> list:
+    """The run's command with its ``--json`` output named as committed (the run wrote to a scratch path)."""
+    return [f"docs/benchmarks/data/{path.name}" if i and argv[i - 1] == "--json" else a for i, a in enumerate(argv)]
 
 
 def convergence_tables() -> str:
@@ -222,6 +238,7 @@ MARKERS = {
     "<!-- ampkit:levels -->": levels_table,
     "<!-- ampkit:api-top -->": api_top,
     "<!-- ampkit:layers -->": layers_svg,
+    "<!-- ampkit:switches -->": switches_table,
     "<!-- ampkit:convergence -->": convergence_tables,
 }
 

@@ -13,8 +13,9 @@ def test_readme_is_short_and_points_into_the_site():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 200
     for page in sorted((REPO / "docs").glob("*.md")):
-        if page.name not in ("index.md", "contributing.md"):
+        if page.name not in ("index.md", "contributing.md", "changelog.md"):  # the last two include a root file
             assert f"(docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
+    assert "(CHANGELOG.md)" in text and "(CONTRIBUTING.md)" in text
     assert "python -m mkdocs build --strict" in text
 
 
@@ -51,3 +52,24 @@ def test_the_package_description_names_every_level():
     span = f"O0-{list(ampkit.OPT_LEVELS)[-1]}"
     assert f"(opt levels {span})" in (REPO / "pyproject.toml").read_text()
     assert f"(opt levels {span})" in (REPO / "mkdocs.yml").read_text()
+
+
+VAGUE_VERSION = re.compile(r"earlier versions?|before this version|(?<![\w#/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w/.-])")
+
+
+def test_compatibility_notes_name_a_version_not_a_commit():
+    """A guide says which version a checkpoint or pickle came from (``0.2.0``, a ``0.3.0`` development
+    build), as the CHANGELOG does, never "an earlier version" or a commit hash."""
+    pages = [*sorted((REPO / "docs").glob("*.md")), REPO / "docs" / "benchmarks" / "index.md",
+             *sorted((REPO / "docs" / "design").glob("*.md")), REPO / "CHANGELOG.md", REPO / "README.md"]
+    found = {p.relative_to(REPO).as_posix(): VAGUE_VERSION.findall(p.read_text()) for p in pages}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert VAGUE_VERSION.findall("saved by an earlier version; fixed in 60f8d0a; colour #3f51b5; 0.2.0") == [
+        "earlier version", "60f8d0a"]
+
+
+@pytest.mark.repo_files("CHANGELOG.md")
+def test_the_changelog_has_the_current_version():
+    import ampkit
+
+    assert f"## {ampkit.__version__}" in (REPO / "CHANGELOG.md").read_text()

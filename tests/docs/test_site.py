@@ -113,7 +113,14 @@ def test_the_site_builds_strictly_with_the_generated_parts(site):
     integrations = (site / "api" / "integrations.html").read_text()
     for name in ("lightning.AmpkitPrecision", "accelerate.AmpkitAccelerator", "transformers.AmpkitTrainer"):
         assert f'id="ampkit.integrations.{name}"' in integrations, name  # read statically: no framework imported
-    assert "<svg" in (site / "contributing.html").read_text()  # the layer picture
+    layers = (site / "contributing.html").read_text()
+    from tests.test_layers import LAYERS
+
+    assert "<svg" in layers and all(f">{name}</text>" in layers for name, _ in LAYERS)  # the layer picture, every layer
+    from ampkit._common.switches import SWITCHES
+
+    assert all(f"<code>{sw.name}</code>" in (site / "environment.html").read_text() for sw in SWITCHES)
+    assert "docs/benchmarks/data/" in (site / "benchmarks" / "index.html").read_text()  # the committed path, not a scratch one
     trouble = (site / "troubleshooting.html").read_text()
     assert "<td><code>initialize</code></td>" in trouble and re.search(r"\d+ bad inputs\.", trouble)  # the included table
     assert list((site / "benchmarks" / "figures").glob("*.png"))  # plotted from the committed JSON
