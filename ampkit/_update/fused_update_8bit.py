@@ -1,19 +1,9 @@
 """O8's fused AdamW: ``torch.optim.AdamW`` / ``Adam`` steps on bf16 weights with 8-bit state, one pass each.
 
-At ``optimizer_state_dtype="8bit"`` (O8) the transient update hands the bf16 parameters
-that ``fused_update.plain`` accepts (a plain AdamW or Adam, bf16 gradients, CPU) to
-``core/fused_adamw_8bit.py``: the gradient, the weight and the packed state
-(``state_8bit.py``'s codes and scales, kept as they are between steps) are read once and
-written once, in place of widening the state to float32, stepping float32 copies with the
-optimizer and packing again. The arithmetic is ``core/fused_adamw.py``'s order (as O7's
-fused path); the rounding draws, the first moment's cap and the codes are those
-``state_8bit.py`` stores. ``AMPKIT_FUSED=0`` keeps the optimizer's own step.
-
-The transient update's chunks hold these parameters with the others: a chunk whose update
-would write a non-finite weight writes nothing, on either path. The kernel backs up each
-old weight, codes and scales as it reads them (4 bytes and 8/256 per element, in buffers
-kept from step to step), and on such a step the chunk's parameters get them back, with
-their step counts.
+Gradient, weight and the packed state (``state_8bit.py``'s codes and scales) are read and
+written once, with the draws, caps and codes ``state_8bit.py`` stores; the kernel backs up what
+it overwrites, so a chunk with a non-finite weight is undone. ``AMPKIT_FUSED=0`` keeps the
+optimizer's own step. Design notes: docs/design/update-engine.md.
 """
 import math
 from typing import Callable, Optional

@@ -1,19 +1,9 @@
 """8-bit state blocks laid on the full parameter, and the maxima of blocks split between shards.
 
-O8 stores state in blocks of ``BLOCK`` elements with one scale each (``core/blockquant.py``).
-The blocks are the full tensor's: element ``g`` of its flat full tensor belongs to block
-``g // BLOCK``, whatever the sharding. A rank's local part starts at `block_first`
-(its first element's global index), so its first and last blocks may be partial and held
-in part by other ranks (`split_blocks`). Such a block gets the scale the whole block
-would get when `share_block_maxima_` makes each part's maximum the block's (one
-``all_reduce(MAX)`` per process group, over every split block of every tensor given). Then
-the codes and scales of any sharding are those of the unsharded tensor, bit for bit, and a
-state saved on one number of ranks loads exactly on another (values stored at a block's
-scale ``s`` quantize to nearest exactly at the scale ``s' <= s`` of any part of it).
-
-Only FSDP2's layouts are laid on the full tensor: DTensors sharded along one mesh
-dimension (the others replicated, as HSDP) whose local parts are single runs of the flat
-tensor. Any other tensor keeps blocks of its own local part (``first`` 0, no sharing).
+Element ``g`` of a parameter's flat full tensor is in block ``g // BLOCK`` whatever the
+sharding; a block split between FSDP2 shards takes its maximum over all of them
+(`share_block_maxima_`), so any sharding stores the unsharded codes and scales. Tensors not
+laid out as FSDP2 lays them keep blocks of their own. Design notes: docs/design/update-engine.md.
 """
 import functools
 import math

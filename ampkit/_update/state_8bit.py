@@ -1,45 +1,11 @@
 """Optimizer state in 8 bits between steps (``optimizer_state_dtype="8bit"``, O8).
 
-Each elementwise moment of a half parameter (a floating tensor of the parameter's shape;
-never a per-step scalar of `SCALAR_KEYS`, whatever its shape) lives between steps as
-two entries of ``optimizer.state[p]`` in place of its own key ``k``: ``k + CODES``, one byte
-per element in the parameter's shape, and ``k + SCALES``, a float32 power of two per block
-of `BLOCK` flat elements (``core/blockquant.py``). Signed state (``exp_avg``,
-``momentum_buffer``, any key not listed) is int8 linear; the non-negative keys of
-`SQRT_KEYS` (second moments) are uint8 e4m4 codes of their square root, squared again
-when widened. Codes are rounded stochastically with counter bits (``core/counter_bits.py``):
-element ``i`` of the parameter's full tensor draws from ``(seed, step, the parameter's index
-in the optimizer, 1 + j, i)``, ``j`` the key's place among the parameter's packed keys in
-sorted order (Adam: ``exp_avg`` 1, ``exp_avg_sq`` 2). So the draws do not depend on chunking,
-thread count, shard layout or world size, and nothing but the rounder's seed and step
-checkpoints. Nor do the codes and scales: the blocks are the full parameter's (element ``i``
-in block ``i // BLOCK``; a shard's first and last blocks may be partial), and a block split
-between FSDP2 shards takes its scale from its maximum over all of them
-(``shared_blocks.py``: one ``all_reduce(MAX)`` per pack of a device's entries of one code).
-A step widens and packs each device's entries of one code in one call, their tensors laid
-out back to back, each at its first element's place in its first block: the blocks, and so
-the scales, stay per tensor whatever the chunking.
-
-Rounded apart, a first moment could round up while its second moment rounds to zero, and
-the next update would be ``m / eps``. So the first moments of `BOUNDED` optimizers
-are stored capped against their stored second moment, so that no update exceeds the exact
-optimizer's largest. Adam: ``|m_t| / sqrt(v_t) <= A_t`` with ``A_t**2 = (1-b1)**2 / (1-b2) *
-sum_{j<t} (b1**2/b2)**j``, the supremum over all gradient sequences (Cauchy-Schwarz), so
-``|m_hat| / sqrt(v_hat) <= C = sup_t A_t sqrt(1-b2**t) / (1-b1**t)`` (7.27 for betas (0.9,
-0.999)); the cap after step ``t`` is the largest ratio whose next step stays within ``C``, at
-least ``A_t`` (exact state is never capped; ``A_t`` itself where ``b1**2 >= b2``). Adamax:
-``|m_t| <= (1-b1) sum_{j<t} (b1/b2)**j u_t``; centered RMSprop: ``|grad_avg| <= sqrt(1 -
-alpha**t) sqrt(square_avg)``, so its variance is never negative. A second moment that reads 0
-holds a first moment of 0. An element whose second moment is infinite (overflowed) has no
-update in exact Adam (``m / inf``): its first moment is stored as 0, out of its block's scale.
-
-A consumer of ``optimizer.state`` finds no ``exp_avg`` between steps (a KeyError, not int8
-bytes read as numbers); ``optimizer.state_dict()`` holds every such entry widened back to
-float32 under its own key, the format of O7 and plain torch, so a checkpoint loads anywhere.
-Loading quantizes again to nearest, drawing no bits: a widened value is on the grid and comes
-back exactly (second moments whenever their square root lies between 2**-63 and 2**64, where
-squaring it is exact), on any number of shards: a part of a block has a scale no larger than
-the whole block's, and both are powers of two.
+Each elementwise moment ``k`` of a half parameter lives as ``k + CODES`` (int8, or uint8 e4m4
+of the square root for `SQRT_KEYS`) and ``k + SCALES`` (a float32 power of two per block of
+`BLOCK` elements of the full parameter), rounded stochastically with the counter bits; the
+first moments of `BOUNDED` optimizers are capped against their second. ``state_dict()`` holds
+it widened to float32. Design notes (layout, blocks across shards, the caps, checkpoints):
+docs/design/update-engine.md.
 """
 import functools
 import math
