@@ -15,11 +15,11 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
-import os
 import sys
 import types
 
 from .. import __version__
+from .._common import switches
 from . import metadata
 
 __all__ = ["install", "uninstall", "installed", "ApexInstalledError", "ENV"]
@@ -202,7 +202,7 @@ def install(shadow_installed_apex=None) -> bool:
     if installed():
         return True
     if shadow_installed_apex is None:
-        choice = os.environ.get(ENV, "").strip().lower()
+        choice = switches.get(ENV).strip().lower()
         if choice not in ("", "ampkit", "apex"):
             raise ValueError(f"{ENV}={choice!r}: expected 'ampkit' (stand in for an installed Apex) or 'apex' (use it).")
         if choice == "apex":
