@@ -6,11 +6,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "core")]
+sys.path[:0] = [str(ROOT)]
 
 from ampkit._kernels.blockquant import dequantize, num_blocks, quantize_  # noqa: E402
 from ampkit.stochastic_rounding import round_all_to_bf16_  # noqa: E402
-from test_remainder import OPTIMIZERS, dyadic, simulate  # noqa: E402
+from remainder_simulation import OPTIMIZERS, dyadic, simulate  # noqa: E402
 
 
 def gaussian(shape, g):
