@@ -70,7 +70,7 @@ def convergence_table(rows: list, task: str) -> tuple:
               num(r, "gap_se", "{:.3f}", unit),
               "-" if "gap_low" not in r else f"{r['gap_low'] * unit:+.3f}..{r['gap_high'] * unit:+.3f}",
               num(r, "bytes_per_param", "{:.2f}"), num(r, "time_vs_O0", "{:.2f}x"), num(r, "time_vs_O5", "{:.2f}x"),
-              r.get("skipped", "")] for r in rows if r["task"] == task]
+              r.get("skipped") or r.get("note", "")] for r in rows if r["task"] == task]
     return headers, cells
 
 

@@ -10,7 +10,11 @@ Markers (an HTML comment on a line of its own) are replaced in ``on_page_markdow
   module's mkdocstrings entry, limited to the names of its ``__all__`` (read statically);
 * ``<!-- ampkit:switches -->``: every ``AMPKIT_*`` environment switch, from ``ampkit._common.switches``;
 * ``<!-- ampkit:layers -->``: the package's layers as an inline SVG, from ``LAYERS`` in
-  ``tests/test_layers.py`` (read statically) and the modules found under ``ampkit/``.
+  ``tests/test_layers.py`` (read statically) and the modules found under ``ampkit/``;
+* ``<!-- ampkit:bench-method -->``: per benchmark family and script, its command and its docstring
+  (what it measures, how, its targets), read statically from ``benchmarks/``;
+* ``<!-- ampkit:bench-figures -->``: per committed ``run.py --json`` file, its machine line, command,
+  plot, the rows of every family it holds and its targets table.
 
 ``on_files`` adds the benchmark figures, plotted at build time by ``benchmarks/plot.py`` from the
 JSON files under ``docs/benchmarks/data/`` (written by ``benchmarks/run.py --json``), and the curves
@@ -201,6 +205,30 @@ def bench_figures() -> str:
     return "\n".join(out) if out else "No results are committed yet."
 
 
+# The benchmark scripts whose method the method page shows, in its order: (heading, command, source).
+BENCH_METHOD = [*[(name, f"python benchmarks/run.py --only {name}", f"benchmarks/families/{name}.py")
+                  for name in ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update", "o7_compile")],
+                ("frontier.py: the memory levels and their peers", "python benchmarks/frontier.py", "benchmarks/frontier.py"),
+                ("update_speed.py: the masterless levels' step against O5", "python benchmarks/update_speed.py",
+                 "benchmarks/update_speed.py"),
+                ("fsdp.py: FSDP2 per-rank memory and step time", "python benchmarks/fsdp.py", "benchmarks/fsdp.py"),
+                ("precision.py: what the precision report costs", "python benchmarks/precision.py", "benchmarks/precision.py"),
+                ("exit_soak.py: a clean exit under torchrun", "python benchmarks/exit_soak.py", "benchmarks/exit_soak.py")]
+
+
+def bench_method() -> str:
+    """Per benchmark family or script: its command, its source and its docstring (what it measures, how,
+    its targets), read statically, so the method page and the code cannot disagree."""
+    out = []
+    for heading, command, source in BENCH_METHOD:
+        doc = ast.get_docstring(ast.parse((ROOT / source).read_text())) or ""
+        doc = re.sub(r"\A\d+\.\s+\w+:\s*", "", doc)  # the family's "1. overhead: " prefix: the heading says it
+        doc = re.sub(r":(?:class|func|meth|data|attr):`~?([^`]+)`", r"`\1`", doc).replace("``", "`")
+        doc = doc[:1].upper() + doc[1:]
+        out += [f"### {heading}", "", f"`{command}` (source: `{source}`)", "", doc, ""]
+    return "\n".join(out)
+
+
 def _argv(argv: list, path: Path) -> list:
     """The run's command with its ``--json`` output named as committed (the run wrote to a scratch path)."""
     return [f"docs/benchmarks/data/{path.name}" if i and argv[i - 1] == "--json" else a for i, a in enumerate(argv)]
@@ -219,7 +247,9 @@ def convergence_tables() -> str:
                 f"{data['seconds'] / 60:.0f} minutes. Command: `python {' '.join(data.get('argv', []))}`.", ""]
         for task, cfg in result["tasks"].items():
             headers, cells = plot.convergence_table(result["rows"], task)
-            out += [f"**{task}**: {plot.convergence_metric(task)[0]}, {cfg['steps']} steps x {cfg['seeds']} seeds", "",
+            epochs = next((r["epochs"] for r in result["rows"] if r["task"] == task and "epochs" in r), None)
+            out += [f"**{task}**: {plot.convergence_metric(task)[0]}, {cfg['steps']} steps x {cfg['seeds']} seeds"
+                    f"{f' ({epochs:.2g} epochs)' if epochs else ''}", "",
                     "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
             out += ["| " + " | ".join(c.replace("|", "&#124;") for c in row) + " |" for row in cells] + [""]
         if data.get("targets"):
@@ -235,6 +265,7 @@ def _cell(value) -> str:
 
 MARKERS = {
     "<!-- ampkit:bench-figures -->": bench_figures,
+    "<!-- ampkit:bench-method -->": bench_method,
     "<!-- ampkit:levels -->": levels_table,
     "<!-- ampkit:api-top -->": api_top,
     "<!-- ampkit:layers -->": layers_svg,
