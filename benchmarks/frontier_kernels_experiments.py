@@ -1,4 +1,4 @@
-"""The measurements in docs/design/frontier-kernels.md: ``python benchmarks/frontier_kernels_experiments.py``
+"""The measurements in benchmarks/FRONTIER_KERNELS.md: ``python benchmarks/frontier_kernels_experiments.py``
 from the repository root (CPU, one thread, a few minutes)."""
 import sys
 from pathlib import Path

@@ -26,8 +26,8 @@ The probe is an in-place ``a.add_(b)`` of two float32 tensors of ``2n`` elements
 element: two read, one written back in place), the access pattern of an optimizer update, whose
 tensors are read and written in place. A copy into a second tensor (also timed and printed) is
 slower per byte than the hardware streams in place: each destination line is read before it is
-written (read for ownership), bytes a copy does not count; torch's fused AdamW ran at 0.63x of
-a copy "bound" on this kind of machine, so the copy is no bound for an in-place update.
+written (read for ownership), bytes a copy does not count; torch's fused AdamW can run faster than
+a copy "bound" (benchmarks/HISTORY.md), so the copy is no bound for an in-place update.
 """
 import os
 import time

@@ -224,7 +224,7 @@ def bench_method() -> str:
         doc = ast.get_docstring(ast.parse((ROOT / source).read_text())) or ""
         doc = re.sub(r"\A\d+\.\s+\w+:\s*", "", doc)  # the family's "1. overhead: " prefix: the heading says it
         doc = re.sub(r":(?:class|func|meth|data|attr):`~?([^`]+)`", r"`\1`", doc).replace("``", "`")
-        doc = doc[:1].upper() + doc[1:]
+        doc = doc if doc.startswith("ampkit") else doc[:1].upper() + doc[1:]
         out += [f"### {heading}", "", f"`{command}` (source: `{source}`)", "", doc, ""]
     return "\n".join(out)
 
