@@ -1,19 +1,28 @@
-"""The fused update steps as declared torch ops (``torch.ops.ampkit.*``): each op's declaration,
-its fake (for ``torch.compile``: it writes its mutated arguments in place and returns nothing) and
-its CPU kernel (the C kernel, or the eager reference where there is none: the same bits) side by side.
-
-Declared, an op is one node of a compiled graph instead of an opaque ctypes call that Dynamo
-cannot trace. Design: ``docs/design/kernels.md``.
+"""The fused update steps as declared torch ops (``torch.ops.ampkit.*``), each declared once here
+with its fake (for ``torch.compile``) and its CPU implementation: the op's module (``fused_*.py``),
+where the eager reference and the C kernel sit side by side, running the kernel where it is
+built. Design: ``docs/design/kernels.md``.
 """
 import dataclasses
+from typing import Optional
 
 import torch
 
-from . import fused_adamw, native
+from . import fused_adamw, fused_adamw_8bit, fused_masters, native
 from .counter_bits import Index
 from .fused_adamw import Hyper
+from .remainder import set_side_table, side_table
 
-__all__ = ["adamw_step_"]
+__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_"]
+
+
+def _hyper(hyper: list, flags: list, count: torch.Tensor) -> Hyper:
+    return Hyper(*hyper, *flags, count.item())
+
+
+def _values(hyper: Hyper) -> tuple:
+    """The ops' ``hyper`` (lr, beta1, beta2, eps, weight_decay) and ``flags`` (decoupled, maximize)."""
+    return [hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay], [hyper.decoupled, hyper.maximize]
 
 
 @torch.library.custom_op("ampkit::adamw_bf16", mutates_args=("w", "m", "v"), device_types="cpu")
@@ -22,13 +31,58 @@ def adamw_bf16(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Te
     """O7's step (`fused_adamw.step_`) of bf16 ``w`` from element ``first`` on; ``count``: the
     tensor's step count (this step included); ``hyper``: lr, beta1, beta2, eps, weight_decay;
     ``flags``: decoupled, maximize."""
-    h = Hyper(*hyper, *flags, count.item())
-    fused_adamw.step_(w, grad, m, v, h, seed, step, tensor, first, native.library())
+    fused_adamw.step_(w, grad, m, v, _hyper(hyper, flags, count), seed, step, tensor, first, native.library())
 
 
 @adamw_bf16.register_fake
 def _(w, grad, m, v, count, hyper, flags, seed, step, tensor, first) -> None:
     return None
+
+
+@torch.library.custom_op("ampkit::adamw_master", mutates_args=("x", "m", "v", "w"), device_types="cpu")
+def adamw_master(x: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, w: Optional[torch.Tensor],
+                 count: torch.Tensor, hyper: list[float], flags: list[bool]) -> None:
+    """O5's step of float32 master ``x`` and its bf16 model weight ``w``
+    (`fused_masters.step_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
+    fused_masters.step_master_(x, grad, m, v, _hyper(hyper, flags, count), w, native.library())
+
+
+@adamw_master.register_fake
+def _(x, grad, m, v, w, count, hyper, flags) -> None:
+    return None
+
+
+@torch.library.custom_op("ampkit::adamw_remainder", mutates_args=("w", "r", "m", "v"), device_types="cpu")
+def adamw_remainder(w: torch.Tensor, r: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    table: torch.Tensor, count: torch.Tensor, hyper: list[float], flags: list[bool]) -> torch.Tensor:
+    """The remainder masters' step (`fused_masters.step_remainder_`) of ``(w, r)`` with ``r``'s
+    side table ``table``; returns the new side table (a tensor argument and result, not ``r``'s
+    attribute: a traced op may be handed copies of its arguments)."""
+    set_side_table(r, table)
+    fused_masters.step_remainder_(w, r, grad, m, v, _hyper(hyper, flags, count), native.library())
+    return side_table(r)
+
+
+@adamw_remainder.register_fake
+def _(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tensor:
+    return table.new_empty(torch.library.get_ctx().new_dynamic_size())
+
+
+@torch.library.custom_op("ampkit::adamw_8bit", mutates_args=("w", "mq", "ms", "vq", "vs", "backup"),
+                         device_types="cpu")
+def adamw_8bit(w: torch.Tensor, grad: torch.Tensor, mq: torch.Tensor, ms: torch.Tensor, vq: torch.Tensor,
+               vs: torch.Tensor, backup: list[torch.Tensor], count: torch.Tensor, hyper: list[float], flags: list[bool],
+               cap: float, seed: int, step: int, tensor: int, first: int) -> torch.Tensor:
+    """O8's step (`fused_adamw_8bit.step_`); returns whether it wrote (a bool tensor: False on a
+    non-finite new weight, the old values then in ``backup``)."""
+    wrote = fused_adamw_8bit.step_(w, grad, mq, ms, vq, vs, _hyper(hyper, flags, count), cap, seed, step, tensor,
+                                   first, native.library(), tuple(backup))
+    return torch.tensor(wrote)
+
+
+@adamw_8bit.register_fake
+def _(w, grad, mq, ms, vq, vs, backup, count, hyper, flags, cap, seed, step, tensor, first) -> torch.Tensor:
+    return torch.empty((), dtype=torch.bool)
 
 
 def adamw_step_(w, grad, m, v, hyper: Hyper, count: torch.Tensor, seed: int, step: int, tensor: int,
@@ -39,6 +93,21 @@ def adamw_step_(w, grad, m, v, hyper: Hyper, count: torch.Tensor, seed: int, ste
     if not isinstance(index, int):
         hyper = dataclasses.replace(hyper, step=count.item())
         return fused_adamw.step_(w, grad, m, v, hyper, seed, step, tensor, index)
-    values = [hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay]
-    torch.ops.ampkit.adamw_bf16(w, grad, m, v, count, values, [hyper.decoupled, hyper.maximize], seed, step, tensor,
-                                index)
+    torch.ops.ampkit.adamw_bf16(w, grad, m, v, count, *_values(hyper), seed, step, tensor, index)
+
+
+def master_step_(x, grad, m, v, hyper: Hyper, count: torch.Tensor, w: Optional[torch.Tensor] = None) -> None:
+    """`fused_masters.step_master_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
+    torch.ops.ampkit.adamw_master(x, grad, m, v, w, count, *_values(hyper))
+
+
+def remainder_step_(w, r, grad, m, v, hyper: Hyper, count: torch.Tensor) -> None:
+    """`fused_masters.step_remainder_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
+    set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, side_table(r), count, *_values(hyper)))
+
+
+def adamw_8bit_step_(w, grad, mq, ms, vq, vs, hyper: Hyper, count: torch.Tensor, cap: float, seed: int, step: int,
+                     tensor: int, first: int, backup: tuple) -> bool:
+    """`fused_adamw_8bit.step_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
+    return bool(torch.ops.ampkit.adamw_8bit(w, grad, mq, ms, vq, vs, list(backup), count, *_values(hyper), cap, seed,
+                                            step, tensor, first))

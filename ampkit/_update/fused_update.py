@@ -18,8 +18,9 @@ AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (
 ``exp_avg``, ``exp_avg_sq``, keyed by the parameter, or by the master at O5), so checkpoints
 move between the fused path and plain torch. Without a C compiler the eager references run,
 with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
-through the optimizer's own step, torch's numbers), as does a ``torch.compile`` of the step for
-all but O7's kernel, a declared op (``_kernels/ops.py``) that a compiled step keeps.
+through the optimizer's own step, torch's numbers). Every kernel is a declared op
+(``_kernels/ops.py``); a ``torch.compile``d step keeps O7's fused step and turns
+O5's masters', the remainder masters' (see `remainder_eligible`) and O8's off.
 
 O7's update also runs on CUDA (and other Triton device) parameters, as one ``torch.compile``
 kernel per tensor (``core/compiled_update.py``) where Triton is installed, with the same
@@ -29,9 +30,8 @@ parameters then take the optimizer's own step).
 import torch
 
 from .._common import switches
-from .._kernels import compiled_update, native, ops
+from .._kernels import compiled_update, ops
 from .._kernels.fused_adamw import Hyper, arithmetic
-from .._kernels.fused_masters import step_master_, step_remainder_
 from .shards import global_index, like, local
 
 KINDS = (torch.optim.AdamW, torch.optim.Adam)
@@ -59,8 +59,10 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
 
 def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether bf16 ``p`` with remainder masters steps in `step_remainders`: `plain`
-    (CPU only: the kernel is C) and float32 state (if any) as this path keeps it."""
-    return plain(optimizer, group, p, grad) and _state_as_kept(optimizer.state.get(p), p, torch.float32)
+    (CPU only: the kernel is C) and float32 state (if any) as this path keeps it; not under
+    ``torch.compile`` (the side table is an attribute of the remainder, which Dynamo does not trace)."""
+    return (plain(optimizer, group, p, grad) and not torch.compiler.is_compiling()
+            and _state_as_kept(optimizer.state.get(p), p, torch.float32))
 
 
 def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
@@ -75,8 +77,9 @@ def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.T
 
 
 def plain_group(optimizer, group: dict) -> bool:
-    """`exact_group`, and no ``torch.compile`` tracing the step: only O7's kernel (`eligible`) is a
-    declared op (``_kernels/ops.py``); the other kernels are ctypes calls that Dynamo cannot trace."""
+    """`exact_group`, and no ``torch.compile`` tracing the step (O5's masters and O8's chunks then
+    take the optimizer's own step: traced, O5's fused step adds a graph break and Dynamo fails on
+    O8's caps)."""
     return exact_group(optimizer, group) and not torch.compiler.is_compiling()
 
 
@@ -90,7 +93,7 @@ def exact_group(optimizer, group: dict) -> bool:
 def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
     Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
-    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and plain_group(optimizer, group)
+    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and exact_group(optimizer, group)
 
 
 def _bf16_dense(p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -166,22 +169,21 @@ def masters_to_step(optimizer, owner: dict) -> list:
 def step_masters(optimizer, items) -> None:
     """One AdamW / Adam step of each O5 master of ``items`` (from `masters_to_step`),
     writing its bf16 model parameter too."""
-    lib = native.library()
     for group, m, p in items:
-        state, hyper = _begin(optimizer, group, m, torch.float32)
-        with torch.no_grad():
-            step_master_(local(m), local(m.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper,
-                         local(p), lib)
+        state = _advance(optimizer, m, torch.float32)
+        with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
+            ops.master_step_(local(m), local(m.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                             hyper(optimizer, group, 0.0), state["step"], local(p))
 
 
 def step_remainders(optimizer, params, grads: dict, remainders) -> None:
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible` with
     float32 state), whose master is ``p`` with ``remainders[i]``."""
-    lib = native.library()
     for (group, p), r in zip(params, remainders):
-        state, hyper = _begin(optimizer, group, p, torch.float32)
+        state = _advance(optimizer, p, torch.float32)
         with torch.no_grad():
-            step_remainder_(local(p), r, local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]), hyper, lib)
+            ops.remainder_step_(local(p), r, local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                                hyper(optimizer, group, 0.0), state["step"])
 
 
 def order_state(opt, ids: dict) -> None:

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .._kernels import native
-from .._kernels.fused_adamw_8bit import BLOCK, backups, restore_, span, step_
+from .._kernels import ops
+from .._kernels.fused_adamw_8bit import BLOCK, backups, restore_, span
 from . import fused_update, state_8bit
 from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
@@ -23,8 +23,11 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     """Whether ``p`` steps here: ``fused_update.plain``, no block of ``p``'s full tensor split
     between ranks' parts (``shared_blocks.whole_blocks``, FSDP2's and HSDP's layouts; the same
     answer on every rank: a split block needs its maximum over all of them, which the chunks'
-    packing shares and the kernel does not), and state (if any) as ``state_8bit`` packs Adam's."""
-    if not fused_update.plain(optimizer, group, p, grad) or not whole_blocks(p, BLOCK):
+    packing shares and the kernel does not), and state (if any) as ``state_8bit`` packs Adam's;
+    not under ``torch.compile`` (a traced O8 step handed the op another parameter's codes:
+    off until that is understood)."""
+    if (not fused_update.plain(optimizer, group, p, grad) or torch.compiler.is_compiling()
+            or not whole_blocks(p, BLOCK)):
         return False
     first = global_index(p)
     state = optimizer.state.get(p)
@@ -43,14 +46,13 @@ def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable
     ``skip(bad, device)`` says whether the chunk, whose parameters ``bad`` got non-finite
     weights here (maybe none), is skipped (on any rank). None when it was (nothing written),
     else a function that undoes the step (until the next call with ``scratch``)."""
-    lib = native.library()
     bound = next(b[3] for b in state_8bit.BOUNDED if isinstance(optimizer, b[0]))
     parts = [local(p) for _, p in chunk]
     saved = backups([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
     done, bad = [], []
     for (group, p), q, backup in zip(chunk, parts, saved):
         done.append((p, _start(optimizer, p, q), backup))
-        if not _step_one(optimizer, group, p, q, grads[p], rounder, ids[p], bound, lib, backup):
+        if not _step_one(optimizer, group, p, q, grads[p], rounder, ids[p], bound, backup):
             bad.append(p)
             break  # the chunk is skipped: the rest need no step
 
@@ -76,16 +78,16 @@ def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
     return True
 
 
-def _step_one(optimizer, group, p, q, grad, rounder, tensor: int, bound, lib, backup) -> bool:
+def _step_one(optimizer, group, p, q, grad, rounder, tensor: int, bound, backup) -> bool:
     """The step of one parameter (local part ``q``); False when it wrote nothing (non-finite weights)."""
     state = optimizer.state[p]
     state["step"] += 1
-    t = state["step"].item()
-    cap = bound(group, t)
+    cap = bound(group, state["step"].item())
     m, v = ([local(state[k + state_8bit.CODES]), state[k + state_8bit.SCALES]] for k in KEYS)
-    with torch.no_grad():
-        return step_(q, local(grad), *m, *v, fused_update.hyper(optimizer, group, t), cap if math.isfinite(cap) else math.nan, rounder.seed, rounder.step,
-                     tensor, global_index(p), lib, backup)
+    with torch.no_grad():  # the declared op reads the step count itself, as fused_update.step's
+        return ops.adamw_8bit_step_(q, local(grad), *m, *v, fused_update.hyper(optimizer, group, 0.0), state["step"],
+                                    cap if math.isfinite(cap) else math.nan, rounder.seed, rounder.step, tensor,
+                                    global_index(p), backup)
 
 
 def _undo(optimizer, p: torch.Tensor, created: bool, backup: tuple) -> None:

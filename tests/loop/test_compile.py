@@ -3,8 +3,9 @@
 At O7 only the model is compiled in the per-level cases: its transient update swaps fresh float32
 copies into the optimizer's param_groups every step for what the fused AdamW does not take (so a
 compiled ``torch.optim`` step recompiles every step until Dynamo's recompile limit). The fused
-AdamW itself is a declared op (``ampkit::adamw_bf16``): a compiled O7 step runs it with the eager
-step's bits (the last two tests).
+updates are declared ops (``ampkit::adamw_bf16``, ``adamw_master``, ``adamw_remainder``,
+``adamw_8bit``): a compiled O7 step runs its op with the eager step's bits, and each op
+compiles alone into one graph (the last tests).
 
 Compiles are expensive here (tens of seconds each with inductor), so the per-level cases
 use the ``aot_eager`` backend: it traces the forward with Dynamo (``fullgraph=True``, so
@@ -171,14 +172,22 @@ def test_documented_pattern_through_inductor(level, device):
         torch.testing.assert_close(state[key], value, rtol=TOL[level], atol=STATE_ATOL[level], equal_nan=True)
 
 
-def _o7_weights(compiled: bool, steps: int = 4):
-    """The bf16 weights after each of ``steps`` O7 steps (AdamW, fused), the step compiled or eager,
-    and the ops the last step ran (profiled)."""
+FUSED = {  # the fused paths' initialize arguments and their declared op
+    "O7": ({"opt_level": "O7"}, "ampkit::adamw_bf16"),
+}
+
+
+def _fused_weights(level: str, compiled: bool, steps: int = 4):
+    """The bits of the bf16 weights, the optimizer state and the remainders (with their side
+    tables) after each of ``steps`` steps of a fused path (AdamW), the step compiled or eager, and
+    the ops the last step ran (profiled)."""
+    from ampkit._kernels.remainder import side_table
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = ampkit.initialize(model, opt, opt_level="O7", verbosity=0)
+    model, opt = ampkit.initialize(model, opt, **FUSED[level][0], verbosity=0)
     step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
     batches, _ = _batches()
     out = []
@@ -190,18 +199,36 @@ def _o7_weights(compiled: bool, steps: int = 4):
             scaled.backward()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             step()
-        out.append([p.detach().view(torch.int16).clone() for p in model.parameters()])
-    return out, [e.name for e in prof.events()]
+        state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        rems = [t for r in model._ampkit.remainders.values() for t in (r, side_table(r))]
+        out.append([t.detach().clone() for t in list(model.parameters()) + state + rems])
+    return out, [e.name for e in prof.events() if not _tracing(e)]
 
 
-def test_a_compiled_o7_step_runs_the_fused_op_with_the_eager_steps_bits(lib):
-    """O7's fused AdamW is a declared op (``ampkit::adamw_bf16``): a compiled step runs it, once
-    per parameter, and its weights equal the eager step's bit for bit at every step."""
-    eager, eager_ops = _o7_weights(False)
-    compiled, ops = _o7_weights(True)
-    assert all(torch.equal(a, b) for step_a, step_b in zip(eager, compiled) for a, b in zip(step_a, step_b))
-    assert not all(torch.equal(a, b) for a, b in zip(eager[0], eager[-1]))  # it trained
-    assert ops.count("ampkit::adamw_bf16") == eager_ops.count("ampkit::adamw_bf16") == 4
+def _tracing(event) -> bool:
+    """Whether a profiled ``event`` ran while Dynamo compiled (an op traced, not run)."""
+    while event is not None:
+        if event.name == "entire_frame_compile":
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+@pytest.mark.parametrize("level", list(FUSED))
+def test_a_compiled_fused_step_runs_the_op_with_the_eager_steps_bits(lib, level):
+    """Each fused path is a declared op: a compiled step runs it, once per parameter, and its
+    weights, optimizer state and remainders equal the eager step's bit for bit at every step."""
+    eager, eager_ops = _fused_weights(level, False)
+    compiled, ops = _fused_weights(level, True)
+    assert all(len(a) == len(b) for a, b in zip(eager, compiled))
+    assert all(torch.equal(_bits(a), _bits(b)) for step_a, step_b in zip(eager, compiled) for a, b in zip(step_a, step_b))
+    assert not all(torch.equal(a, b) for a, b in zip(eager[0][:4], eager[-1][:4]))  # it trained
+    op = FUSED[level][1]
+    assert ops.count(op) == eager_ops.count(op) == 4
     assert "aten::_fused_adamw_" not in ops and "aten::_foreach_add_" not in ops  # no torch.optim update
 
 
@@ -226,3 +253,84 @@ def test_the_fused_op_compiles_into_one_graph_with_the_eager_bits(lib):
     assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16)
                            if b.dtype == torch.bfloat16 else b) for a, b in zip(*runs))
     assert runs[1][4].item() == 5.0 and not torch.equal(runs[1][2], torch.zeros(1000))
+
+
+def _compiles_as_eager(step, args, steps: int = 5, carry=None, **config):
+    """``step(*args, rstep)`` compiled with ``fullgraph=True`` (under Dynamo's ``config``) gives,
+    over ``steps`` steps, the bits of the eager calls on copies of ``args`` (its result the next
+    call's ``args[carry]`` where ``carry`` is given)."""
+    runs = [args, [t.clone() for t in args]]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(**config):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for rstep in range(steps):
+            for run, fn in zip(runs, (step, compiled)):
+                result = fn(*run, rstep)
+                if carry is not None:
+                    run[carry] = result
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*runs))
+    return runs[1]
+
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False, step=0.0)
+
+
+def test_the_master_op_compiles_into_one_graph_with_the_eager_bits(lib):
+    from ampkit._kernels import ops
+    from ampkit._kernels.fused_adamw import Hyper
+
+    def step(x, g, m, v, w, count, rstep):
+        count += 1
+        ops.master_step_(x, g, m, v, Hyper(**HYPER), count, w)
+
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    out = _compiles_as_eager(step, [x.clone(), g, torch.zeros(1000), torch.zeros(1000), x.bfloat16(), torch.zeros(())])
+    assert out[5].item() == 5.0 and not torch.equal(out[0], x) and torch.equal(out[4], out[0].bfloat16())
+
+
+def test_the_remainder_op_compiles_into_one_graph_with_the_eager_bits(lib):
+    """The side table is the op's argument and result (a size known only when it ran: Dynamo
+    captures it with ``capture_dynamic_output_shape_ops``)."""
+    from ampkit._kernels import ops
+    from ampkit._kernels.fused_adamw import Hyper
+    from ampkit._kernels.remainder import master, remainder, side_table
+
+    def step(w, r, g, m, v, table, count, rstep):
+        count += 1
+        return torch.ops.ampkit.adamw_remainder(w, r, g, m, v, table, count, *ops._values(Hyper(**HYPER)))
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=gen)
+    bits = x.view(torch.int32)[::100]
+    bits.copy_(bits & ~0x1FFFF | 0x07FFF)  # masters one ULP above what 16 bits hold: the side table lists them
+    r = remainder(x)
+    assert side_table(r).numel() == 10
+    out = _compiles_as_eager(step, [x.bfloat16(), r.clone(), torch.randn(1000, generator=gen).bfloat16(), torch.zeros(1000),
+                                    torch.zeros(1000), side_table(r).clone(), torch.zeros(())],
+                             carry=5, capture_dynamic_output_shape_ops=True)
+    assert out[6].item() == 5.0 and not torch.equal(master(out[0], out[1]), x)
+
+
+def test_the_8bit_op_compiles_into_one_graph_with_the_eager_bits(lib):
+    """O8's op (its result, whether it wrote, read after the graph) from element 100 of a tensor:
+    a leading partial block."""
+    from ampkit._kernels import ops
+    from ampkit._kernels.fused_adamw import Hyper
+    from ampkit._kernels.fused_adamw_8bit import backups, span
+
+    n, first = 1000, 100
+    blocks = span(n, first)
+
+    def step(w, g, mq, ms, vq, vs, bw, bmq, bvq, bms, bvs, count, rstep):
+        count += 1
+        return torch.ops.ampkit.adamw_8bit(w, g, mq, ms, vq, vs, [bw, bmq, bvq, bms, bvs], count,
+                                           *ops._values(Hyper(**HYPER)), 10.0, 7, rstep, 3, first)
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, generator=gen).bfloat16()
+    args = [w.clone(), torch.randn(n, generator=gen).bfloat16(), torch.zeros(n, dtype=torch.int8), torch.ones(blocks),
+            torch.zeros(n, dtype=torch.uint8), torch.ones(blocks), *[t.clone() for t in backups([(n, blocks)], {})[0]],
+            torch.zeros(())]
+    out = _compiles_as_eager(step, args)
+    assert out[11].item() == 5.0 and not torch.equal(out[0], w) and out[2].abs().sum() > 0
