@@ -15,8 +15,8 @@ from .._common import text_table
 
 HALF_DTYPE = "half_dtype"  # table marker: "cast the model to the level's half dtype"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-REMAINDER = "remainder"  # master_weights: the fp32 master as bf16 weight + int16 remainder (core/remainder.py)
-STATE_8BIT = "8bit"  # optimizer_state_dtype: 8-bit codes with per-block scales (install/state_8bit.py)
+REMAINDER = "remainder"  # master_weights: the fp32 master as bf16 weight + int16 remainder (_kernels/remainder.py)
+STATE_8BIT = "8bit"  # optimizer_state_dtype: 8-bit codes with per-block scales (_update/state_8bit.py)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FLT_TINY, FLT_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 FLOAT32_RANGE = f"that float32 holds as a normal number ({FLT_TINY:.4g} to {FLT_MAX:.4g})"

@@ -1,37 +1,6 @@
 """Optimizer state in 8 bits between steps: per-block power-of-two scales, stochastic rounding.
 
-A flat float32 tensor is cut into blocks of ``block_size`` elements, laid on the full tensor
-it is part of: its element 0 is element ``first`` of the full tensor (a shard's offset; 0 for
-a whole tensor), and full element ``g`` belongs to block ``g // block_size``, so a part's
-first and last blocks may be partial (and, under sharding, held in part by other ranks:
-their maxima over all parts can be given, as ``install/shared_blocks.py`` shares them).
-Each block stores one float32 scale ``s``, a power of two, and one byte per element, in one
-of two codes chosen by the byte tensor's dtype:
-
-* ``int8``, signed linear (Adam's ``exp_avg``): ``x = q * s``, ``q`` in ``[-127, 127]``;
-  ``s`` is the least power of two with ``absmax <= 127 s``. Code ``-128`` is NaN (any
-  non-finite value).
-* ``uint8``, unsigned dynamic exponent, ``e4m4`` (non-negative state: ``exp_avg_sq``, or
-  its square root): code ``c = 16 E + M`` means ``(1 + M/16) 2**(E-15) s`` for ``E >= 1``
-  and ``M 2**-18 s`` for ``E = 0`` (a linear run to zero, like float subnormals), up to
-  code 253 (``1.8125 s``): 15 binades below ``2 s`` at 4 mantissa bits, then 16 steps of
-  ``2**-18 s``; ``s`` is the least power of two with ``absmax <= 1.8125 s``. Code 254 is
-  NaN (NaN or a negative value), 255 is ``+inf`` (or a value above ``1.8125 * 2**127``).
-
-``absmax`` is over the block's finite values: a NaN or an infinity changes its own code
-only, never its block's scale or its neighbours' codes. An all-zero block stores zeros.
-
-A value rounds to one of its two neighbouring codes, up with probability equal to its
-position between them, from 24 random bits per element: `counter_draws`, the low 24 of
-the counter bits of ``core/counter_bits.py`` (a pure function of the run's seed, the step, the
-tensor, the stream and the element's index: the same for any chunking, thread count or shard
-layout), or none (round to nearest). Scaling by a power of two
-is exact, as is the split into a lower code and a fraction (the codes are float bit
-patterns, or integers), so a value already on the grid comes back exactly, and the
-rounding is unbiased: ``E[dequantize(quantize(x))] == x`` exactly when the fraction is a
-multiple of 2**-24 (always for ``|x| >= s/2`` in int8, and above the linear run in uint8),
-and otherwise high by less than ``2**-24`` of the step. An int8 ``limit`` caps each
-code's magnitude (rounding toward zero where it binds, the only place it is biased).
+Design (the blocks, the int8 and e4m4 codes, the rounding): docs/design/memory-levels.md, "The 8-bit codes".
 """
 import functools
 from typing import Optional

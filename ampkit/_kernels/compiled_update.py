@@ -1,4 +1,4 @@
-"""O7's AdamW step (``core/fused_adamw.py``) as one ``torch.compile`` kernel per tensor, for accelerators.
+"""O7's AdamW step (``fused_adamw.py``) as one ``torch.compile`` kernel per tensor, for accelerators.
 
 The same arithmetic as `fused_adamw.step_eager`, counter bits included, traced into one
 graph and compiled by inductor (Triton on CUDA, ROCm and XPU; C++ on CPU, where only the
@@ -17,7 +17,7 @@ construction:
   ``std::sqrt``);
 - the counter bits are int64 multiplications and additions, which wrap modulo 2**64 in
   either backend, and arithmetic right shifts masked to logical ones, as in
-  ``core/counter_bits.py``.
+  ``counter_bits.py``.
 
 (Eager CUDA divides by a Python scalar as a multiplication by its reciprocal, so
 ``step_eager`` itself run on CUDA tensors is not the reference there: compare with it on

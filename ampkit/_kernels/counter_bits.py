@@ -1,35 +1,7 @@
 """Random bits as a pure function of a counter: no generator state, the same on any layout.
 
-The stochastic rounding of a tensor element at a training step takes its bits from
-``(seed, step, tensor, element, stream)``: the run's seed, the rounder's step counter, the
-tensor's index among the optimizer's parameters, the element's flat index in its *full*
-parameter (an FSDP2 shard adds its global offset), and the stream (0: the weight, 1, 2,
-...: the parameter's elementwise optimizer states in order). So the numbers do not depend on
-chunking, thread count, shard layout or world size, there is no state to checkpoint but
-``(seed, step)``, and any kernel can compute the bits of any element on its own.
-
-The function is SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number
-generators", OOPSLA 2014) read as a counter-based generator: the 64-bit word of element
-``i`` under key ``k`` is ``mix64(k + (i + 1) * GAMMA)`` (``GAMMA`` the odd golden-ratio
-constant, ``mix64`` Stafford's "variant 13" finalizer, a bijection whose output bits each
-depend on every input bit). Successive ``i`` walk one Weyl sequence, the SplitMix64
-generator, which passes TestU01's BigCrush; the key, a chain of ``mix64`` over ``(seed,
-step, tensor, word)``, places each run of elements at a pseudo-random point of that
-sequence of period 2**64. Two runs overlap (one repeats the other's words, shifted) with
-probability about ``(len_a + len_b) / 2**64``: a training run of ``T`` draws in runs of
-``L`` elements has about ``T**2 / (L 2**64)`` overlapping pairs (0.05 for 1000 steps of
-10**9 elements in runs of 10**6; 500 for 10**5 steps), each pairing the rounding decisions
-of two runs of elements (a weak, local dependence, not a bias).
-
-A word serves several streams: 32-bit draws (`bits32`) of stream ``s`` are half
-``s % 2`` (low, high) of word ``s // 2``; 16-bit draws (`draws16`, bfloat16's
-stochastic rounding) are quarter ``s % 4`` (bits ``16 (s % 4)`` up) of word ``s // 4``, so
-O7's weight and two bfloat16 moments (streams 0, 1, 2) cost one hash per element.
-
-In torch, ``int64`` multiplication and addition wrap modulo 2**64 (two's complement), as the
-unsigned arithmetic of the definition does; right shifts are arithmetic, so each is
-masked to the logical shift. A C kernel computing the same words in ``uint64_t`` gives the
-same bits.
+SplitMix64 as a counter-based generator, keyed by ``(seed, step, tensor, element, stream)``.
+Design: docs/design/memory-levels.md, "The counter bits".
 """
 from typing import Union
 

@@ -1,22 +1,6 @@
 """O7's AdamW step on one bfloat16 tensor in one pass: the eager reference and the C kernel.
 
-The arithmetic (float32, every operation rounded once, in this order)::
-
-    g = sign * grad                  (sign -1 with maximize)
-    g = g + w * l2                   (Adam's L2 weight decay; skipped when l2 == 0)
-    w = w * decay                    (AdamW's decoupled decay, 1 - lr * weight_decay)
-    m = m * beta1 + g * (1 - beta1)
-    v = v * beta2 + (g * g) * (1 - beta2)
-    w = w - (m / (sqrt(v) / sqrt(1 - beta2**t) + eps)) * lr / (1 - beta1**t)
-
-then ``w`` is rounded to bfloat16 stochastically with the counter bits of stream 0, and
-bfloat16 state with those of streams 1 (``m``) and 2 (``v``): three quarters of one word
-per element. The constants are computed in
-double, as ``torch.optim.AdamW`` computes them, and rounded once to float32. This is
-torch's AdamW up to the order of rounding (torch's CPU kernels fuse some of these
-operations, differently in their vector and scalar loops), so results agree with it to the
-last float32 bit or two before the bfloat16 rounding, and bit for bit between
-`step_eager` and `step_native` on any shard, chunk or thread count.
+Design (the arithmetic and its order): docs/design/kernels.md, "O7's AdamW".
 """
 import ctypes
 from dataclasses import dataclass
@@ -55,7 +39,7 @@ class Hyper:
 
 def arithmetic(w, grad, m, v, hyper: Hyper):
     """The new float32 ``(w, m, v)`` of the step, in torch ops (one rounding each, in the
-    order above; the arguments are read, not written)."""
+    order docs/design/kernels.md gives; the arguments are read, not written)."""
     decay, l2, b1, omb1, b2, omb2, bc2s, eps, step_size, sign = hyper.consts()
     g = grad.float().mul(sign)
     p = w.float()

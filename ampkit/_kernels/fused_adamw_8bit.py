@@ -1,23 +1,6 @@
 """O8's AdamW step on one bfloat16 tensor with 8-bit state in one pass: the eager reference and the C kernel.
 
-The state is ``install/state_8bit.py``'s: ``m`` as int8 codes and ``v`` as uint8 e4m4 codes
-of ``sqrt(v)``, each with a float32 power-of-two scale per block of `BLOCK` elements
-(``core/blockquant.py``). The blocks lie on the full parameter's flat index: the element at
-global index ``g`` is in block ``g // BLOCK``, so a piece starting at ``first`` (an FSDP2
-shard) has a leading partial block when ``first % BLOCK != 0``; its scales are one per block
-it touches, each from its own elements. A step:
-
-1. widens ``m = code * scale`` and ``v = (code * scale) ** 2`` (float32);
-2. runs ``core/fused_adamw.py``'s arithmetic (its order of float32 operations);
-3. rounds the new weight to bfloat16 with the counter bits of stream 0;
-4. quantizes ``sqrt(v)`` with the draws of stream 2, then ``m`` with those of stream 1,
-   capped against the stored ``sqrt(v)``: ``|m| <= cap * sqrt(v)`` (``cap`` the optimizer's
-   bound of ``state_8bit.BOUNDED``, NaN for none), and 0 where that product is infinite.
-
-A step that would make a new weight non-finite writes nothing and returns False. The
-kernel works in place, writing the old weight, codes and scales to a backup as it reads
-them (4 bytes and 8/256 per element), and puts them back on such a step; the reference
-checks before writing.
+Design (blocks on the full parameter, the step, the backups): docs/design/kernels.md, "O8's AdamW on 8-bit state".
 """
 import ctypes
 import math
@@ -44,7 +27,7 @@ def span(n: int, first: int) -> int:
 def step_eager(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int,
                first: int) -> bool:
     """The reference in torch ops on flat contiguous tensors: the blocks of
-    ``core/blockquant.py``, shifted by ``first % BLOCK`` leading zeros (which change no
+    ``blockquant.py``, shifted by ``first % BLOCK`` leading zeros (which change no
     block's scale and store code 0)."""
     lead, n = first % BLOCK, w.numel()
 

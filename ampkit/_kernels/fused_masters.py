@@ -1,19 +1,6 @@
 """AdamW / Adam on float32 masters in one pass: O5's masters and remainder masters.
 
-The arithmetic is `fused_adamw`'s (`.fused_adamw.Hyper`, float32, every
-operation rounded once, in its order), without stochastic rounding:
-
-* `step_master_`: an fp32 master ``x`` with its fp32 gradient and fp32 state; the
-  new master is written back and, when a bf16 model weight ``w`` is given, rounded into it
-  to nearest even (torch's own float32 -> bfloat16 conversion, as O5's copy to the model).
-* `step_remainder_`: a master held as bf16 ``w`` + int16 remainder ``r`` + side table
-  (``core/remainder.py``) with the bf16 gradient: the exact master is combined, stepped and
-  split back, weight, remainder and table as `.remainder.split_` writes them.
-
-Each has an eager torch reference (``*_eager``) and a C kernel (``core/native.py``) with the
-same bits on any chunk, shard or thread count; a remainder master stepped here equals the
-O5 master stepped by `step_master_` bit for bit. (NaN masters are the exception to
-"the same bits": their payload and bfloat16 pattern are not kept.)
+Each step has an eager reference and a C kernel with the same bits. Design: docs/design/kernels.md, "Masters".
 """
 import ctypes
 from typing import Optional
@@ -26,7 +13,7 @@ from .remainder import combine, set_side_table, side_table, split_
 
 __all__ = ["step_master_", "step_remainder_"]
 
-RBLOCK = 512  # the remainder kernel's block (``core/native.py``): each call leaves room for one block's candidates
+RBLOCK = 512  # the remainder kernel's block (``native/``): each call leaves room for one block's candidates
 
 
 def step_master_eager(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None) -> None:

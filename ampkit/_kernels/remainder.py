@@ -1,40 +1,7 @@
 """Exact fp32 masters held as the bfloat16 model weight plus a 16-bit remainder (2 + 2 bytes),
 and a small side table for the few values 16 bits cannot hold.
 
-The weight is always O5's: ``w = x.to(torch.bfloat16)`` (round to nearest even, RNE). The
-remainder is the step ``d`` from ``w``'s float32 bits to ``x``'s. Both share the sign bit, so
-the int32 difference of their bit patterns is the difference of their magnitudes, in units
-of one float32 ULP of ``x`` (2**-16 of a bfloat16 ULP): ``d`` in ``[-32767, 32767]`` when
-``w``'s last bit is odd, ``[-32768, 32768]`` when it is even (``+-32768`` are the ties, and
-a tie always rounds to the even neighbour). An even ``w`` has 65537 float32 values rounding
-to it and an int16 holds 65536, so 16 bits alone cannot keep every master: one value per
-even ``w`` must share a code with another.
-
-That value is ``d = +32767`` (not a tie: sums of dyadic numbers land on ties all the time),
-stored as the code ``+32766``; code ``32767`` of an even ``w`` then means ``d = +32768``, the
-tie. For an odd ``w`` every code is ``d`` itself (``-32768`` is never written). The elements
-whose ``d`` is ``+32767`` above an even ``w`` (low 17 bits of ``x`` ``0x07FFF``; about 2**-17
-of them at any moment) are listed in the remainder tensor's **side table** (`side_table`:
-their flat indices, int64, kept on the int16 tensor as an attribute, so it travels with it
-through ``copy.deepcopy`` and pickling), and `combine` adds their ULP back. Hence, with
-``e = 1`` when ``w`` is even and ``t = 1`` for the elements in the table::
-
-    r = d - e * (d >= 32767)            x = bits(w) << 16 + r + e * (r == 32767) + t
-
-so every master comes back exactly, and `split_` rebuilds the table each time it
-writes ``(w, r)``: the pass that computes ``r`` also marks the candidates (``d`` of ``+32767``
-or ``+32768`` above an even ``w``), then one max per 1024-element block finds the few blocks
-that hold one, and only those are looked into (on a GPU this costs a host synchronization per
-call). `combine` is one pass plus a fix-up of the listed elements, each only while its
-pair still holds code ``32766`` of an even ``w`` (a stale table never moves another value). A
-table costs 8 bytes an entry. A remainder without one (made before tables existed) reads as
-before: its masters exact but those values, one ULP toward ``w``.
-
-Edge cases follow from the bit arithmetic: +-0 and subnormals are ordinary cells; a finite
-``x`` above bfloat16's range (``|x| >= 0x7F7F8000``) gives ``w = +-inf``, as O5's copy does,
-with ``d`` in ``[-32768, -1]``, so the master stays finite and exact; an infinite ``x`` gives
-``r = 0`` and comes back infinite; a NaN gives torch's bfloat16 NaN and comes back NaN (its
-payload is not kept, and its ``r`` means nothing).
+Design (the encoding, the side table, edge cases): docs/design/memory-levels.md, "The remainder encoding".
 """
 from itertools import accumulate
 from typing import List, Sequence

@@ -1,24 +1,6 @@
 """Stochastic rounding of float32 to bfloat16: from counter bits (O7), or from a generator.
 
-A float32 value ``x`` between the bfloat16 neighbours ``lo < x < hi`` rounds to ``hi`` with
-probability ``(x - lo) / (hi - lo)`` and to ``lo`` otherwise, so the expected result is
-``x`` exactly. An update too small to move a bfloat16 weight under round-to-nearest still
-moves it on average. bfloat16 is float32 without its low 16 bits: adding a uniform 16-bit
-integer to those bits and clearing them rounds the magnitude up with exactly that
-probability, for either sign.
-
-O7 rounds with `round_counter_`, whose bits are a pure function of the element and
-the step (``core/counter_bits.py``); the functions below take a ``torch.Generator``.
-The generator is the costly part (on CPU a serial kernel), so each element costs it 8 bits,
-not 16: the tensors are rounded as one flat run of ``n`` elements, and element ``i`` of its
-first half takes a uniform 16-bit draw ``d`` while element ``i`` of its second half (``h =
-ceil(n / 2)`` later) takes ``257 d`` modulo 2**16 (``d`` plus ``d`` shifted up a byte). Both
-are uniform over all 16-bit values (257 is odd), so the rounding stays exactly unbiased; and
-their high bytes are independent (the partner's is the sum of ``d``'s two bytes), so the two
-decisions are too, but when a high byte ties with the dropped bits' (1 time in 256) and the
-low byte decides. The draws are the 16-bit quarters of
-uniform 64-bit integers (each quarter of a uniform 64-bit integer is uniform, the four
-independent).
+Design (the rounding, and the generator's 8 bits per element): docs/design/memory-levels.md, "Stochastic rounding".
 """
 import ctypes
 from typing import List, Optional
@@ -105,7 +87,7 @@ class StochasticRounder:
     (``state_dict``), so resume is bit-exact.
 
     `round_` (O7's and O8's weights, O7's half state) and O8's 8-bit codes
-    (``install/state_8bit.py``) take their bits from ``core/counter_bits.py``: a pure
+    (``_update/state_8bit.py``) take their bits from ``counter_bits.py``: a pure
     function of ``(seed, step, tensor, element, stream)``, the same for any chunking, thread
     count, shard layout or world size. ``step`` counts the optimizer steps that rounded
     (`advance`; a skipped step does not).

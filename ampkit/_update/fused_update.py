@@ -1,19 +1,19 @@
 """Fused AdamW: ``torch.optim.AdamW`` / ``Adam`` steps in one pass per tensor.
 
-* O7 (``update_rounding="stochastic"``, float32 or bfloat16 optimizer state): the transient
-  update hands the bf16 parameters to ``core/fused_adamw.py``: gradient, weight and state
+* O7 (``update_rounding="stochastic"``, float32 or bfloat16 optimizer state): the rounded
+  update hands the bf16 parameters to ``_kernels/fused_adamw.py``: gradient, weight and state
   are read once and written once, with the stochastic rounding inside, in place of fp32
   copies stepped by the optimizer and rounded back.
 * O5's fp32 masters of bf16 parameters (`step_masters`): master, its fp32 gradient
   and the state are read once; master, state and the bf16 model weight (rounded to nearest
-  even, as O5's copy to the model) written once (``core/fused_masters.py``).
+  even, as O5's copy to the model) written once (``_kernels/fused_masters.py``).
 * Remainder masters (`step_remainders`): the bf16 weight, its int16 remainder and side
   table, the bf16 gradient and the state, read and written once; the masters equal O5's
   fused ones bit for bit.
 
 Eligible: a plain ``torch.optim.AdamW`` or ``Adam`` (no amsgrad, capturable, differentiable
 or fused) on CPU tensors (FSDP2's ``CPUOffloadPolicy`` included) with dense gradients. The
-arithmetic is ampkit's fixed order (``core/fused_adamw.py``), which agrees with torch's
+arithmetic is ampkit's fixed order (``_kernels/fused_adamw.py``), which agrees with torch's
 AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (``step``,
 ``exp_avg``, ``exp_avg_sq``, keyed by the parameter, or by the master at O5), so checkpoints
 move between the fused path and plain torch. Without a C compiler the eager references run,
@@ -23,7 +23,7 @@ through the optimizer's own step, torch's numbers). Every kernel is a declared o
 O5's masters', the remainder masters' (see `remainder_eligible`) and O8's off.
 
 O7's update also runs on CUDA (and other Triton device) parameters, as one ``torch.compile``
-kernel per tensor (``core/compiled_update.py``) where Triton is installed, with the same
+kernel per tensor (``_kernels/compiled_update.py``) where Triton is installed, with the same
 numbers as the C kernel; ``AMPKIT_COMPILED_UPDATE=0`` turns that off (accelerator
 parameters then take the optimizer's own step).
 """
