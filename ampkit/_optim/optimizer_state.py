@@ -506,6 +506,8 @@ def _wrapped_step(optimizer, previous):
 def _step(optimizer, closure=None):
     """``optimizer.step()``: skipped after an overflow; masters copied into the model after."""
     state: OptimizerState = optimizer._ampkit
+    if state.update.eager_under_compile and torch.compiler.is_compiling():
+        return _step_eagerly(optimizer, closure)
     if closure is not None:
         raise RuntimeError(
             "optimizer.step(closure): closures are not supported by ampkit; compute the loss, "
@@ -523,6 +525,11 @@ def _step(optimizer, closure=None):
         if ms.dtype_error is not None:
             raise RuntimeError(ms.dtype_error)
     return state.step()
+
+
+# The chunked updates (O7, O8, remainder masters) swap gradients and state in Python every step,
+# which Dynamo cannot keep in a graph: inside a compiled step they run as one eager call.
+_step_eagerly = torch.compiler.disable(_step)
 
 
 def _zero_grad(optimizer, set_to_none: Optional[bool] = None):

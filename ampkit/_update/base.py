@@ -12,6 +12,8 @@ class OptimizerUpdate:
     Hooks, by when they run: `attach` once (the end of ``initialize``'s attach), `step` at
     every ``optimizer.step()`` that is not skipped (a skipped step never reaches it)."""
 
+    eager_under_compile = False  # whether a compiled optimizer.step() runs this update as one eager call
+
     def __init__(self, opt_state):
         self.opt_state = opt_state
         self.optimizer = opt_state.optimizer

@@ -41,6 +41,8 @@ class ChunkedUpdate(OptimizerUpdate):
     which parameters step fused (`_fusable`, `_step_fused`) and how the weights are widened
     and written back (`_widen`, `_write_back`)."""
 
+    eager_under_compile = True  # its per-step gradient and state swaps would re-trace every step
+
     def __init__(self, opt_state):
         super().__init__(opt_state)
         props = opt_state.run.properties

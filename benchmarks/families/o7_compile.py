@@ -22,7 +22,7 @@ def _setup(width: int, layers: int):
 
 
 def run(cfg, device, args, log) -> dict:
-    width, layers, steps = (256, 2, 6) if args.quick else (1024, 8, 30)
+    width, layers, steps = (256, 2, 6) if args.quick else (1024, 8, 200)
     runs = {}
     for name in ("eager", "compiled"):
         model, opt = _setup(width, layers)

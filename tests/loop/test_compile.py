@@ -337,11 +337,9 @@ def test_the_8bit_op_compiles_into_one_graph_with_the_eager_bits(lib):
 
 
 def test_a_compiled_o8_step_gives_the_eager_steps_bits():
-    """O8's chunked step (8-bit state widened, stepped by the optimizer, requantized with counter
-    bits) under ``torch.compile``: the draws run eagerly (Dynamo stopped with an internal error in
-    their 64-bit key arithmetic), the rest compiles, and every weight and 8-bit code equals the
-    eager step's (SGD with momentum: a compiled AdamW's own arithmetic may differ from eager
-    torch's in the last bit, which is torch's, not ampkit's)."""
+    """A compiled O8 step (SGD with momentum: widened 8-bit state, requantized with counter bits)
+    runs ampkit's step as one eager call and gives the eager step's weights and 8-bit codes (it used
+    to stop with an internal Dynamo error in the counter bits' 64-bit key arithmetic)."""
     def train(compiled):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
