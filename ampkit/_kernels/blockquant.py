@@ -126,12 +126,11 @@ def _values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return values.to(device)
 
 
-@torch.compiler.disable  # Dynamo stops inside the 64-bit key arithmetic of Python ints ("Invalid NaN comparison")
 def counter_draws(out: torch.Tensor, seed: int, step: int, tensor: int, stream: int, index: Index) -> torch.Tensor:
     """Fill int32 ``out`` (flat) with uniform 24-bit integers: the low 24 of the counter bits
     (`counter_bits.bits32`) of ``(seed, step, tensor, stream)`` at the elements ``index,
     index + 1, ...`` (an int), or at ``index`` (an int64 tensor of ``out``'s size); return it.
-    In blocks, so the int64 words stay in cache. Runs eagerly inside a compiled step."""
+    In blocks, so the int64 words stay in cache."""
     index = index.reshape(-1).to(out.device) if torch.is_tensor(index) else index
     for lo in range(0, out.numel(), _DRAW_BLOCK):
         hi = min(out.numel(), lo + _DRAW_BLOCK)

@@ -507,7 +507,9 @@ def _step(optimizer, closure=None):
     """``optimizer.step()``: skipped after an overflow; masters copied into the model after."""
     state: OptimizerState = optimizer._ampkit
     if state.update.eager_under_compile and torch.compiler.is_compiling():
-        return _step_eagerly(optimizer, closure)
+        # The chunked updates (O7, O8, remainder masters) swap gradients and state in Python every
+        # step, which Dynamo would re-trace every step: inside a compiled step they run as one eager call.
+        return torch.compiler.disable(_step)(optimizer, closure)
     if closure is not None:
         raise RuntimeError(
             "optimizer.step(closure): closures are not supported by ampkit; compute the loss, "
@@ -526,10 +528,6 @@ def _step(optimizer, closure=None):
             raise RuntimeError(ms.dtype_error)
     return state.step()
 
-
-# The chunked updates (O7, O8, remainder masters) swap gradients and state in Python every step,
-# which Dynamo cannot keep in a graph: inside a compiled step they run as one eager call.
-_step_eagerly = torch.compiler.disable(_step)
 
 
 def _zero_grad(optimizer, set_to_none: Optional[bool] = None):
