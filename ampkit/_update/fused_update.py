@@ -19,8 +19,9 @@ AdamW to the last float32 bit or two, not bit for bit. The state stays torch's (
 move between the fused path and plain torch. Without a C compiler the eager references run,
 with the same numbers. ``AMPKIT_FUSED=0`` turns the fused paths off (every parameter goes
 through the optimizer's own step, torch's numbers). Every kernel is a declared op
-(``_kernels/ops.py``); a ``torch.compile``d step keeps O7's fused step and turns
-O5's masters', the remainder masters' (see `remainder_eligible`) and O8's off.
+(``_kernels/ops.py``); a ``torch.compile``d step runs O7's, O8's and the remainder masters'
+update eagerly (``ChunkedUpdate.eager_under_compile``), fused kernels included, and turns O5's
+fused masters off (`plain_group`).
 
 O7's update also runs on CUDA (and other Triton device) parameters, as one ``torch.compile``
 kernel per tensor (``_kernels/compiled_update.py``) where Triton is installed, with the same
@@ -52,17 +53,15 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     faster than them.)"""
     device = local(p).device
     if not _bf16_dense(p, grad) or not exact_group(optimizer, group) or (
-            device.type != "cpu" and (torch.compiler.is_compiling() or not compiled_update.available(device))):
+            device.type != "cpu" and not compiled_update.available(device)):
         return False
     return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
 
 
 def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether bf16 ``p`` with remainder masters steps in `step_remainders`: `plain`
-    (CPU only: the kernel is C) and float32 state (if any) as this path keeps it; not under
-    ``torch.compile`` (the side table is an attribute of the remainder, which Dynamo does not trace)."""
-    return (plain(optimizer, group, p, grad) and not torch.compiler.is_compiling()
-            and _state_as_kept(optimizer.state.get(p), p, torch.float32))
+    (CPU only: the kernel is C) and float32 state (if any) as this path keeps it."""
+    return plain(optimizer, group, p, grad) and _state_as_kept(optimizer.state.get(p), p, torch.float32)
 
 
 def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
@@ -77,9 +76,8 @@ def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.T
 
 
 def plain_group(optimizer, group: dict) -> bool:
-    """`exact_group`, and no ``torch.compile`` tracing the step (O5's masters and O8's chunks then
-    take the optimizer's own step: traced, O5's fused step adds a graph break and Dynamo fails on
-    O8's caps)."""
+    """`exact_group`, and no ``torch.compile`` tracing the step (O5's masters then take the
+    optimizer's own step: traced, O5's fused step adds a graph break)."""
     return exact_group(optimizer, group) and not torch.compiler.is_compiling()
 
 

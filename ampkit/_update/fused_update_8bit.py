@@ -23,11 +23,9 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     """Whether ``p`` steps here: ``fused_update.plain``, no block of ``p``'s full tensor split
     between ranks' parts (``shared_blocks.whole_blocks``, FSDP2's and HSDP's layouts; the same
     answer on every rank: a split block needs its maximum over all of them, which the chunks'
-    packing shares and the kernel does not), and state (if any) as ``state_8bit`` packs Adam's;
-    not under ``torch.compile`` (a traced O8 step handed the op another parameter's codes:
-    off until that is understood)."""
-    if (not fused_update.plain(optimizer, group, p, grad) or torch.compiler.is_compiling()
-            or not whole_blocks(p, BLOCK)):
+    packing shares and the kernel does not), and state (if any) as ``state_8bit`` packs Adam's.
+    (A compiled step runs O8's update eagerly: ``ChunkedUpdate.eager_under_compile``.)"""
+    if not fused_update.plain(optimizer, group, p, grad) or not whole_blocks(p, BLOCK):
         return False
     first = global_index(p)
     state = optimizer.state.get(p)
