@@ -122,10 +122,10 @@ class OptimizerState:
             opt._step_supports_amp_scaling = True
         # torch's step hooks can neither skip nor replace the step, and torch has no hooks for
         # zero_grad or add_param_group: these three are wrapped on the instance.
-        opt.step = _wrapped_step(opt, opt.step)
+        self.update = update(self)
+        opt.step = _wrapped_step(opt, opt.step, _eager_step() if self.update.eager_under_compile else _step)
         opt.zero_grad = types.MethodType(_zero_grad, opt)
         opt.add_param_group = types.MethodType(_add_param_group, opt)
-        self.update = update(self)
         self.update.attach()
 
     def _existing_master(self, param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -486,18 +486,27 @@ def _coalesced(param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _wrapped_step(optimizer, previous):
-    """``optimizer.step`` for the instance: a bound method, unless an LR scheduler created
+@functools.lru_cache(maxsize=None)
+def _eager_step():
+    """``_step`` run eagerly inside a compiled step, for the chunked updates (O7, O8, remainder
+    masters), whose per-step gradient and state swaps in Python Dynamo would re-trace every step.
+    Made on the first ``initialize`` of such a level, not at import: ``torch.compiler.disable``
+    imports ``torch._dynamo``. Dynamo skips the whole call (one frame, no graph break inside)."""
+    return torch.compiler.disable(_step)
+
+
+def _wrapped_step(optimizer, previous, step_fn):
+    """``optimizer.step`` for the instance: ``step_fn`` bound, unless an LR scheduler created
     before ``initialize`` had already wrapped ``step``; then a function that keeps the
     scheduler's marker, so the scheduler still sees ``step`` as called (skipped steps too)
     and does not warn that ``step`` was overridden."""
     if not getattr(previous, "_wrapped_by_lr_sched", False):
-        return types.MethodType(_step, optimizer)
+        return types.MethodType(step_fn, optimizer)
 
     @functools.wraps(_step)
     def step(closure=None):
         optimizer._opt_called = True
-        return _step(optimizer, closure)
+        return step_fn(optimizer, closure)
 
     step._wrapped_by_lr_sched = True
     return step
@@ -506,10 +515,6 @@ def _wrapped_step(optimizer, previous):
 def _step(optimizer, closure=None):
     """``optimizer.step()``: skipped after an overflow; masters copied into the model after."""
     state: OptimizerState = optimizer._ampkit
-    if state.update.eager_under_compile and torch.compiler.is_compiling():
-        # The chunked updates (O7, O8, remainder masters) swap gradients and state in Python every
-        # step, which Dynamo would re-trace every step: inside a compiled step they run as one eager call.
-        return torch.compiler.disable(_step)(optimizer, closure)
     if closure is not None:
         raise RuntimeError(
             "optimizer.step(closure): closures are not supported by ampkit; compute the loss, "

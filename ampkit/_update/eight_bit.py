@@ -38,7 +38,7 @@ class EightBitUpdate(ChunkedUpdate):
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``p`` steps in O8's fused AdamW."""
-        return (fused_update.enabled() and self.stochastic
+        return (self.fused_on and self.stochastic
                 and fused_update_8bit.eligible(self.optimizer, group, p, grad))
 
     def _optimizer_slots(self, chunk) -> list:
@@ -70,7 +70,7 @@ class EightBitUpdate(ChunkedUpdate):
         fused kernel computes: here for shards whose blocks other ranks share), so that the
         numbers are the same on every path and world size; else the optimizer's own step."""
         opt = self.optimizer
-        if (fused_update.enabled() and len(swapped) == len(chunk)
+        if (self.fused_on and len(swapped) == len(chunk)
                 and all(fused_update.plain_group(opt, g) for g, _, _, _ in swapped)):
             fused_update.step_fp32_(opt, [(g, f) for g, _, _, f in swapped])
             return None

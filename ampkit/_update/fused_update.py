@@ -133,15 +133,21 @@ def hyper(optimizer, group: dict, step: float) -> Hyper:
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible`)."""
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
+    compiles, hypers = {}, {}  # per device, per group (looked up once a step, not per tensor)
     for group, p in params:
         state = _advance(optimizer, p, dtype)
         args = (local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]))
         bits = (rounder.seed, rounder.step, ids[p], global_index(p))
+        device = args[0].device
+        if device not in compiles:
+            compiles[device] = compiled_update.available(device)
         with torch.no_grad():
-            if compiled_update.available(args[0].device):
+            if compiles[device]:
                 compiled_update.step_(*args, hyper(optimizer, group, state["step"].item()), *bits)
             else:  # the declared op reads the step count itself: a compiled step has no .item() here
-                ops.adamw_step_(*args, hyper(optimizer, group, 0.0), state["step"], *bits)
+                if id(group) not in hypers:
+                    hypers[id(group)] = hyper(optimizer, group, 0.0)
+                ops.adamw_step_(*args, hypers[id(group)], state["step"], *bits)
 
 
 def step_fp32_(optimizer, params) -> None:

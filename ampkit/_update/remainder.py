@@ -36,7 +36,7 @@ class RemainderUpdate(ChunkedUpdate):
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``p`` steps in the remainder masters' fused AdamW (float32 state)."""
-        return (fused_update.enabled() and self.state_dtype in (None, torch.float32)
+        return (self.fused_on and self.state_dtype in (None, torch.float32)
                 and fused_update.remainder_eligible(self.optimizer, group, p, grad))
 
     def _step_fused(self, params, grads: dict) -> None:

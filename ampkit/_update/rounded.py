@@ -18,7 +18,7 @@ class RoundedUpdate(ChunkedUpdate):
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``p`` steps in O7's fused AdamW (stochastic rounding, float32 or bf16 state)."""
-        if not fused_update.enabled() or not self.stochastic:
+        if not self.fused_on or not self.stochastic:
             return False
         return (self.state_dtype in (None, torch.float32, torch.bfloat16)
                 and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
