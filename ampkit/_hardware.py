@@ -49,6 +49,9 @@ _MATMUL = 256  # a square matmul: about 0.3 ms in float32 on one CPU core
 _CONV = (4, 16, 16)  # batch, channels (in = out), side: a 3x3 convolution, forward and backward
 _REPS = 5  # timed rounds after one warm-up call each; the fastest is kept
 _CLEAR = 3.0  # after 2 rounds a dtype above this multiple of float32's slowest time on an op class is done there
+# No device runs a half op in under 1/64 of float32's time (AMX and tensor cores peak near 16x): a probe that
+# says so was disturbed (float32's every sample slowed by other work), and is measured again, never cached.
+_PLAUSIBLE = 1 / 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,10 +253,15 @@ def _cached(path: str, key: dict) -> Optional[Dict[str, Dict[str, float]]]:
             entry = json.load(f)
         seconds = entry["seconds"]
         if entry["key"] == key and all(float(seconds[op][name]) > 0 for op in _OPS for name in _DTYPES):
-            return seconds
+            return seconds if _plausible(seconds) else None
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
+
+
+def _plausible(seconds: Dict[str, Dict[str, float]]) -> bool:
+    """Whether no half dtype took under `_PLAUSIBLE` of float32's time on an op class."""
+    return all(seconds[op][name] >= _PLAUSIBLE * seconds[op]["float32"] for op in _OPS for name in HALVES)
 
 
 def _store(path: str, entry: dict) -> None:
@@ -282,10 +290,16 @@ def _measure(device: torch.device) -> Tuple[Dict[str, Dict[str, float]], str]:
     if seconds is None:
         try:
             seconds = _timings(device)
+            if not _plausible(seconds):
+                seconds = _timings(device)
         except Exception as e:  # a dtype or op this build lacks must not stop initialize: the flags decide
             logger.info("ampkit: the speed probe failed on %s (%s: %s); the hardware description decides.",
                         device, type(e).__name__, e)
             return {}, f"the speed probe failed: {type(e).__name__}"
+        if not _plausible(seconds):
+            logger.info("ampkit: the speed probe on %s was disturbed twice (a half dtype under 1/64 of float32's "
+                        "time); the hardware description decides.", device)
+            return {}, "the speed probe was disturbed"
         _store(path, {"key": key, "seconds": seconds})
     ratios = {name: {op: seconds[op][name] / seconds[op]["float32"] for op in _OPS} for name in HALVES}
     threads = key["threads"]

@@ -114,6 +114,8 @@ OPT_LEVELS: Dict[str, Properties] = {
     "O8": dataclasses.replace(_level("O8", HALF_DTYPE, False, True, False, 1.0, torch.bfloat16), update_rounding="stochastic",
                               optimizer_state_dtype=STATE_8BIT),
 }
+"""Each opt level's `Properties`, "O0" to "O8": the table `initialize` starts from; its keyword
+arguments override single properties (docs: "Choosing a level")."""
 
 BRIEF = {
     "O0": "Pure FP32 training.",

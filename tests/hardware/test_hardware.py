@@ -348,3 +348,23 @@ def test_the_probe_keeps_the_fastest_round_through_load_that_comes_and_goes(monk
     monkeypatch.setattr(caps_module, "_workloads", workloads)
     monkeypatch.setattr(caps_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     assert caps_module._timings(torch.device("cpu")) == {"matmul": cost, "conv": cost}
+
+
+def test_a_disturbed_probe_is_measured_again_and_never_cached(cpu, measured, monkeypatch, tmp_path, caplog):
+    # A bfloat16 matmul at 0.01x float32's time is no device's: float32's samples were slowed by other work.
+    cpu("avx512_bf16")
+    calls = measured((0.01, 0.5), (2.0, 2.0))
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        caps = ampkit.capabilities("cpu")
+    assert len(calls) == 2 and caps.measured == {} and caps.source == "CPU flags (the speed probe was disturbed)"
+    assert "disturbed twice" in caplog.text and not (tmp_path / "cache" / "probe").exists()
+    answers = iter([_seconds((0.01, 0.5), (2.0, 2.0)), _seconds((0.5, 0.5), (2.0, 2.0))])
+    monkeypatch.setattr(caps_module, "_timings", lambda device: next(answers))
+    caps = ampkit.capabilities("cpu")  # the second measurement is plausible: kept and cached
+    assert caps.measured["bfloat16"]["matmul"] == 0.5 and caps.source.startswith("measured")
+    [path] = (tmp_path / "cache" / "probe").iterdir()
+    assert json.loads(path.read_text())["seconds"] == _seconds((0.5, 0.5), (2.0, 2.0))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": _seconds((0.01, 0.5), (2.0, 2.0))}))
+    calls, before = measured((0.5, 0.5), (2.0, 2.0)), len(calls)
+    ampkit.capabilities("cpu")  # an implausible cached entry (an older ampkit's) is measured again
+    assert len(calls) == before + 1

@@ -20,7 +20,7 @@ from ampkit._kernels.blockquant import dequantize, num_blocks
 from ampkit._run.registry import current as current_run
 from ampkit._update import chunks, state_8bit
 
-from .test_transient_update import train
+from .test_rounded_update import train
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),

@@ -48,8 +48,8 @@ def library() -> Optional[ctypes.CDLL]:
                 raise FileNotFoundError("no C compiler (cc, gcc, clang or $CC) on the PATH")
             lib, why = declare(_load(cc)), None
         except (OSError, subprocess.SubprocessError) as e:
-            log = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
-            detail = build.first_line(e) if log else ""
+            log = build.compiler_log(e)
+            detail = log.splitlines()[0] if log else ""
             why = f"{e}{': ' + detail if detail else ''}"
             logger.warning("ampkit: fused CPU kernels unavailable (%s); using the eager path (same numbers, slower).",
                            why)

@@ -139,7 +139,12 @@ def build(cc: str, folder: Optional[str] = None) -> str:
         return _build(cc, FLAGS, folder)
 
 
+def compiler_log(e: Exception) -> str:
+    """The compiler's error output of a failed build (its stderr, decoded), else ``""``."""
+    return (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
+
+
 def first_line(e: Exception) -> str:
-    """The compiler's first error line of a failed build (its stderr), else the exception."""
-    detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
-    return detail.splitlines()[0] if detail else str(e)
+    """The compiler's first error line of a failed build, else the exception."""
+    log = compiler_log(e)
+    return log.splitlines()[0] if log else str(e)
