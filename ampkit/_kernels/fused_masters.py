@@ -75,10 +75,13 @@ def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tens
                             ctypes.c_int64(cap), counts, done, consts, threads)
         for t in range(k):
             start, end = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k
-            parts.append((start, found[t, :counts[t]]))
+            if counts[t]:  # a copy: the table owns its entries, not the capture buffer
+                parts.append((start, found[t, :counts[t]].clone()))
             if start + done[t] < end:
                 todo.append((start + done[t], end))
-    return parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
+    if len(parts) < 2:
+        return parts[0][1] if parts else torch.empty(0, dtype=torch.int64)
+    return torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
 
 
 def step_remainder_(w, r, grad, m, v, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:

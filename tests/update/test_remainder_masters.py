@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ampkit
+from ampkit._kernels import remainder as remainder_module
 from ampkit._kernels.remainder import master, side_table
 
 OPTIMIZERS = {
@@ -182,6 +183,32 @@ def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_s
         listed.append(sum(side_table(r).numel() for r in rem[0]._ampkit.remainders.values()))
     assert max(listed) > 0  # the tables were in use
     assert all(same_bits(v, w) for v, w in zip(masters_of(*ref), masters_of(*rem)))
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_each_side_table_owns_its_entries_twelve_bytes_a_parameter_and_eight_an_entry(fused, monkeypatch):
+    """After steps of AdamW (the fused kernel, or torch's step and ``split_``) on a million
+    parameters, each remainder's side table is a tensor of exactly its entries in its own storage
+    (an empty one is no table at all), and the footprint is 12 bytes a parameter (bf16 weight,
+    int16 remainder, fp32 ``exp_avg`` and ``exp_avg_sq``) plus 8 an entry, step counters apart."""
+    monkeypatch.setenv("AMPKIT_FUSED", fused)
+    model, opt = build_large("remainder", "adamw")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        large_step(model, opt, torch.randn(8, 256, generator=g), torch.randn(8, 16, generator=g))
+    opt.zero_grad()
+    entries = 0
+    for r in model._ampkit.remainders.values():
+        table = vars(r).get(remainder_module._TABLE)
+        if table is not None:
+            assert table.dtype == torch.int64 and table.numel() > 0 and table._base is None
+            assert table.untyped_storage().nbytes() == 8 * table.numel()
+            entries += table.numel()
+    assert entries > 0  # the tables are in use
+    fp = ampkit.footprint.persistent_bytes([model], [opt])
+    params = sum(p.numel() for p in model.parameters())
+    assert fp["total"] - fp["buffers"] - fp["optimizer_scalars"] == 12 * params + 8 * entries
+    assert fp["masters"] == 2 * params + 8 * entries and fp["optimizer_state"] - fp["optimizer_scalars"] == 8 * params
 
 
 def test_loaded_masters_16_bits_cannot_hold_are_kept_counted_and_saved_exactly(tmp_path):
