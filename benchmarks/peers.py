@@ -1,4 +1,5 @@
-"""Other libraries' low-memory bf16 optimizers, for ``benchmarks/frontier.py``: constructors and byte counting.
+"""Other libraries' low-memory bf16 optimizers, for ``benchmarks/frontier.py`` and the update family
+(``benchmarks/families/update.py``): constructors and byte counting.
 
 Every peer trains the model cast to bfloat16 (weights, gradients and activations in bf16) with its own
 optimizer, called through its public API with AdamW's hyperparameters as ampkit's variants get them
@@ -12,6 +13,14 @@ optimizer, called through its public API with AdamW's hyperparameters as ampkit'
 - ``optimi AdamW Kahan``: ``optimi.AdamW(kahan_sum=True)`` (bf16 state plus a bf16 Kahan compensation buffer);
 - ``bnb AdamW8bit``: ``bitsandbytes.optim.AdamW8bit`` (8-bit blockwise state for tensors of >= 4096 elements,
   fp32 state for the rest; round-to-nearest update).
+
+And SGD with momentum (``SGD_PEERS``, the update family), with the ImageNet recipe's hyperparameters
+(momentum 0.9, no dampening, weight decay 5e-4 as an L2 term, no Nesterov):
+
+- ``plain bf16 SGD (control)``: ``torch.optim.SGD`` on the bf16 weights (bf16 momentum, round-to-nearest update);
+- ``bnb SGD8bit``: ``bitsandbytes.optim.SGD8bit`` (8-bit blockwise momentum for tensors of >= 4096 elements);
+- ``optimi SGD Kahan``: ``optimi.SGD(kahan_sum=True, torch_init=True)`` (bf16 momentum started from the
+  first gradient as torch's is, plus a bf16 Kahan compensation buffer).
 """
 import importlib
 
@@ -54,19 +63,48 @@ PEERS = {  # name: (module it needs, constructor(params, lr))
 }
 COMPILED = ("torchao AdamW SR", "torchao AdamW8bit SR")  # their first step compiles
 
+SGD = dict(momentum=0.9, dampening=0.0, weight_decay=5e-4, nesterov=False)  # the ImageNet recipe's SGD
+
+
+def _plain_sgd(params, lr):
+    return torch.optim.SGD(params, lr=lr, **SGD)
+
+
+def _bnb_sgd(params, lr):
+    import bitsandbytes
+    return bitsandbytes.optim.SGD8bit(params, lr=lr, **SGD)
+
+
+def _optimi_sgd(params, lr):
+    import optimi
+    return optimi.SGD(params, lr=lr, momentum=SGD["momentum"], weight_decay=SGD["weight_decay"], torch_init=True,
+                      kahan_sum=True)
+
+
+SGD_PEERS = {  # name: (module it needs, constructor(params, lr))
+    "plain bf16 SGD (control)": ("torch", _plain_sgd),
+    "bnb SGD8bit": ("bitsandbytes", _bnb_sgd),
+    "optimi SGD Kahan": ("optimi", _optimi_sgd),
+}
+
+
+def unavailable(module):
+    """Why ``module`` does not import here, or None."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a library that fails while loading its backend
+        return f"{module} does not import: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
 
 def missing(name):
     """Why peer ``name`` cannot run here (its library does not import), or None."""
-    try:
-        importlib.import_module(PEERS[name][0])
-    except Exception as e:  # ImportError, or a library that fails while loading its backend
-        return f"{PEERS[name][0]} does not import: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
+    return unavailable({**PEERS, **SGD_PEERS}[name][0])
 
 
 def make(name, model, lr):
     """Peer ``name``'s optimizer over ``model`` (already bf16)."""
-    return PEERS[name][1](model.parameters(), lr)
+    return {**PEERS, **SGD_PEERS}[name][1](model.parameters(), lr)
 
 
 def _leaves(t):
