@@ -12,11 +12,6 @@
     V = V * c[4] + (G * G) * c[5];                                                    \
     P = P - (M / (sqrtf(V) / c[6] + c[7])) * c[8];
 
-static inline uint32_t bits32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline uint16_t rne_bf16(uint32_t u) {  /* torch's float -> bfloat16 (c10's scalar NaN) */
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* O5: master x, its float32 grad, state m, v; w (may be NULL): the bf16 model weight, x rounded to nearest even */
 static void adamw_master_range(float *restrict x, const float *restrict grad, float *restrict ms, float *restrict vs,
                                uint16_t *restrict w, int64_t n, const float *restrict c) {

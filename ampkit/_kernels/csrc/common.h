@@ -1,4 +1,4 @@
-/* What every kernel shares: the counter bits (SplitMix64), the thread ranges, bfloat16 and float32 bits. */
+/* What every kernel shares: the counter bits (SplitMix64), the thread ranges, bfloat16 (stochastic and nearest even) and float32 bits. */
 #ifndef AMPKIT_COMMON_H
 #define AMPKIT_COMMON_H
 
@@ -32,6 +32,10 @@ static inline uint64_t word(uint64_t key, int64_t i) { return mix64(key + (uint6
 static inline float widen(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t narrow(float f, uint64_t d16) {  /* + a uniform 16-bit integer, truncated */
     uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + (uint32_t)d16) >> 16);
+}
+static inline uint32_t bits32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline uint16_t rne_bf16(uint32_t u) {  /* torch's float -> bfloat16 (c10's scalar NaN) */
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 static inline float q8_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t q8_u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

@@ -8,7 +8,7 @@ from ctypes import POINTER, c_float, c_int, c_int64, c_uint32, c_uint64, c_void_
 __all__ = ["SYMBOLS", "declare"]
 
 DATA = c_void_p  # a tensor's elements (`native.ptr`); NULL (None) where the kernel allows it
-CONSTS = POINTER(c_float)  # the step constants, ``(c_float * 10)(*Hyper.consts())``
+CONSTS = POINTER(c_float)  # the step constants, ``(c_float * k)(*hyper.consts())`` of the op's Hyper
 COUNTS = POINTER(c_int64)  # int64 results: ``ctypes.byref(c_int64())`` or ``(c_int64 * k)()``
 
 SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csrc/*.c)
@@ -20,6 +20,9 @@ SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csr
     "adamw_master": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, CONSTS, c_int)),
     "adamw_remainder": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS,
                                COUNTS, CONSTS, c_int)),
+    "sgd_master": (None, (DATA, DATA, DATA, DATA, c_int64, c_int, c_int, CONSTS, c_int)),
+    "sgd_fp32_state": (None, (DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, c_int)),
+    "sgd_bf16_state": (None, (DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, c_int)),
     "any_nonfinite": (c_int, (DATA, c_int64, c_int, c_uint32, c_int)),
     "widen_scaled": (c_int, (DATA, DATA, c_int64, c_int, c_float, c_int)),
 }

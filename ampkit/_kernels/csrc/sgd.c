@@ -1,0 +1,90 @@
+/* SGD with momentum in one pass: O5's float32 masters and O7's bf16 weights (_kernels/fused_sgd.py). */
+#include "common.h"
+
+enum { SGD_MAXIMIZE = 1, SGD_DECAY = 2, SGD_NESTEROV = 4 };  /* flags */
+enum { NO_BUFFER, NEW_BUFFER, BUFFER };  /* momentum 0; the buffer made on this step; a buffer to carry on */
+#define INLINE static inline __attribute__((always_inline))
+
+/* torch.optim.SGD's arithmetic, one rounding per operation, in its order; c: weight decay,
+   momentum, 1 - dampening, lr. *b: the buffer (read in mode BUFFER, written unless NO_BUFFER). */
+INLINE float sgd_step(float p, float g, float *b, const int mode, const int flags, const float *restrict c) {
+    g = (flags & SGD_MAXIMIZE) ? -g : g;
+    g = (flags & SGD_DECAY) ? g + p * c[0] : g;  /* a select: the loop stays vectorized */
+    if (mode != NO_BUFFER) {
+        *b = mode == NEW_BUFFER ? g : *b * c[1] + g * c[2];
+        g = (flags & SGD_NESTEROV) ? g + *b * c[1] : *b;
+    }
+    return p - g * c[3];
+}
+
+/* The mode as a constant of each loop (CALL(mode) is always_inline'd three times). */
+#define BY_MODE(mode, CALL) \
+    switch (mode) { case NO_BUFFER: CALL(NO_BUFFER); break; case NEW_BUFFER: CALL(NEW_BUFFER); break; default: CALL(BUFFER); }
+
+/* O5: master x, its float32 grad, buffer bufs (NULL in mode NO_BUFFER); w (NULL for none): x rounded to nearest even */
+INLINE void master_range(float *restrict x, const float *restrict grad, float *restrict bufs, uint16_t *restrict w,
+                         int64_t n, const int mode, int flags, const float *restrict c) {
+    for (int64_t i = 0; i < n; i++) {
+        float b = mode == BUFFER ? bufs[i] : 0.0f;
+        const float p = sgd_step(x[i], grad[i], &b, mode, flags, c);
+        x[i] = p;
+        if (mode != NO_BUFFER) bufs[i] = b;
+        if (w) w[i] = rne_bf16(bits32(p));
+    }
+}
+
+static void sgd_master_range(float *x, const float *grad, float *bufs, uint16_t *w, int64_t n, int mode, int flags,
+                             const float *c) {
+#define MASTER(M) if (w) master_range(x, grad, bufs, w, n, M, flags, c); else master_range(x, grad, bufs, NULL, n, M, flags, c)
+    BY_MODE(mode, MASTER)
+#undef MASTER
+}
+
+void sgd_master(float *x, const float *grad, float *bufs, uint16_t *w, int64_t n, int mode, int flags, const float *c,
+                int threads) {
+    EACH_RANGE(n, lo, hi, sgd_master_range(x + lo, grad + lo, bufs ? bufs + lo : NULL, w ? w + lo : NULL, hi - lo, mode,
+                                           flags, c);)
+}
+
+/* O7: bf16 w and grad, the buffer float32 or bf16; w and a bf16 buffer rounded with quarters 0 and 1 of one word
+   per element (counter_bits: streams 0 and 1 of the tensor's key0). */
+#define BF16_LOOP(BUF_T, LOAD, STORE)                                                                        \
+    INLINE void loop_##BUF_T(uint16_t *restrict w, const uint16_t *restrict grad, BUF_T *restrict bufs,      \
+                             int64_t n, int64_t first, uint64_t key0, const int mode, int flags,             \
+                             const float *restrict c) {                                                      \
+        for (int64_t i = 0; i < n; i++) {                                                                    \
+            const uint64_t a = word(key0, first + i);                                                        \
+            float b = mode == BUFFER ? LOAD : 0.0f;                                                          \
+            const float p = sgd_step(widen(w[i]), widen(grad[i]), &b, mode, flags, c);                       \
+            w[i] = narrow(p, a & 0xFFFF);                                                                    \
+            if (mode != NO_BUFFER) STORE;                                                                    \
+        }                                                                                                    \
+    }
+BF16_LOOP(float, bufs[i], bufs[i] = b)
+BF16_LOOP(uint16_t, widen(bufs[i]), bufs[i] = narrow(b, (a >> 16) & 0xFFFF))
+
+static void fp32_state_range(uint16_t *w, const uint16_t *grad, float *bufs, int64_t n, int64_t first, uint64_t key0,
+                             int mode, int flags, const float *c) {
+#define FP32(M) loop_float(w, grad, bufs, n, first, key0, M, flags, c)
+    BY_MODE(mode, FP32)
+#undef FP32
+}
+
+static void bf16_state_range(uint16_t *w, const uint16_t *grad, uint16_t *bufs, int64_t n, int64_t first, uint64_t key0,
+                             int mode, int flags, const float *c) {
+#define BF16(M) loop_uint16_t(w, grad, bufs, n, first, key0, M, flags, c)
+    BY_MODE(mode, BF16)
+#undef BF16
+}
+
+void sgd_fp32_state(uint16_t *w, const uint16_t *grad, float *bufs, int64_t n, int64_t first, uint64_t key0, int mode,
+                    int flags, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, fp32_state_range(w + lo, grad + lo, bufs ? bufs + lo : NULL, hi - lo, first + lo, key0, mode,
+                                           flags, c);)
+}
+
+void sgd_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *bufs, int64_t n, int64_t first, uint64_t key0, int mode,
+                    int flags, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, bf16_state_range(w + lo, grad + lo, bufs ? bufs + lo : NULL, hi - lo, first + lo, key0, mode,
+                                           flags, c);)
+}
