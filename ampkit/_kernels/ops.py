@@ -8,12 +8,12 @@ from typing import Optional
 
 import torch
 
-from . import fused_adamw, fused_adamw_8bit, fused_masters, native
+from . import fused_adamw, fused_adamw_8bit, fused_masters, fused_sgd, native
 from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
-__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_"]
+__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_", "sgd_step_", "sgd_master_step_"]
 
 
 def _hyper(hyper: list, flags: list, count: torch.Tensor) -> Hyper:
@@ -94,6 +94,36 @@ _declare("adamw_8bit(Tensor(a!) w, Tensor grad, Tensor(b!) mq, Tensor(c!) ms, Te
          adamw_8bit, lambda *args: torch.empty((), dtype=torch.bool))
 
 
+def _sgd(hyper: list, flags: list) -> fused_sgd.Hyper:
+    return fused_sgd.Hyper(*hyper, *flags)
+
+
+def _sgd_values(hyper: fused_sgd.Hyper) -> tuple:
+    """The SGD ops' ``hyper`` (lr, momentum, dampening, weight_decay) and ``flags`` (nesterov, maximize)."""
+    return [hyper.lr, hyper.momentum, hyper.dampening, hyper.weight_decay], [hyper.nesterov, hyper.maximize]
+
+
+def sgd_bf16(w, grad, buf, hyper, flags, new, seed, step, tensor, first) -> None:
+    """O7's SGD step (`fused_sgd.step_`) of bf16 ``w`` from element ``first`` on; ``buf``: its
+    momentum buffer (None when momentum is 0), made from the gradient when ``new``."""
+    fused_sgd.step_(w, grad, buf, _sgd(hyper, flags), new, seed, step, tensor, first, native.library())
+
+
+_declare("sgd_bf16(Tensor(a!) w, Tensor grad, Tensor(b!)? buf, float[] hyper, bool[] flags, bool new, int seed, "
+         "int step, int tensor, int first) -> ()",
+         sgd_bf16, lambda w, grad, buf, hyper, flags, new, seed, step, tensor, first: None)
+
+
+def sgd_master(x, grad, buf, w, hyper, flags, new) -> None:
+    """O5's SGD step of float32 master ``x`` and its bf16 model weight ``w`` (`fused_sgd.step_master_`)."""
+    fused_sgd.step_master_(x, grad, buf, _sgd(hyper, flags), new, w, native.library())
+
+
+_declare("sgd_master(Tensor(a!) x, Tensor grad, Tensor(b!)? buf, Tensor(c!)? w, float[] hyper, bool[] flags, "
+         "bool new) -> ()",
+         sgd_master, lambda x, grad, buf, w, hyper, flags, new: None)
+
+
 def adamw_step_(w, grad, m, v, hyper: Hyper, count: torch.Tensor, seed: int, step: int, tensor: int,
                 index: Index) -> None:
     """`fused_adamw.step_` of CPU tensors with ``hyper`` at step ``count`` (a tensor, read in the
@@ -120,3 +150,16 @@ def adamw_8bit_step_(w, grad, mq, ms, vq, vs, hyper: Hyper, count: torch.Tensor,
     """`fused_adamw_8bit.step_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
     return bool(torch.ops.ampkit.adamw_8bit(w, grad, mq, ms, vq, vs, list(backup), count, *_values(hyper), cap, seed,
                                             step, tensor, first))
+
+
+def sgd_step_(w, grad, buf, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, index: Index) -> None:
+    """`fused_sgd.step_` of CPU tensors: the declared op where ``index`` is an int (the C kernel's
+    case), else the eager reference."""
+    if not isinstance(index, int):
+        return fused_sgd.step_(w, grad, buf, hyper, new, seed, step, tensor, index)
+    torch.ops.ampkit.sgd_bf16(w, grad, buf, *_sgd_values(hyper), new, seed, step, tensor, index)
+
+
+def sgd_master_step_(x, grad, buf, hyper: fused_sgd.Hyper, new: bool, w: Optional[torch.Tensor] = None) -> None:
+    """`fused_sgd.step_master_` of CPU tensors, as the op."""
+    torch.ops.ampkit.sgd_master(x, grad, buf, w, *_sgd_values(hyper), new)

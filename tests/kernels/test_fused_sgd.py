@@ -124,3 +124,22 @@ def test_the_reference_is_torchs_sgd_where_its_operations_round_once(hyper):
             assert same([x, buf], [want_x, want_buf])
         else:
             torch.testing.assert_close(x, want_x, rtol=2.5e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind, state", KINDS)
+def test_the_declared_ops_give_the_kernels_bits(kind, state):
+    from ampkit._kernels import ops
+    hyper = Hyper(0.05, 0.9, 0.1, 0.01, False, True)
+    ref = tensors(1023, hyper, state) + ([torch.empty(1023, dtype=torch.bfloat16)] if kind == "master" else [])
+    got = clone(ref)
+    for step, new in enumerate((True, False)):
+        run(kind, ref, hyper, new, native.library(), step)
+        if kind == "master":
+            ops.sgd_master_step_(*got[:3], hyper, new, got[3])
+        else:
+            ops.sgd_step_(*got, hyper, new, 1234, step, 5, 17)
+        assert same(ref, got)
+    none = [t.clone() for t in ref[:2]]  # momentum 0: no buffer
+    (ops.sgd_master_step_ if kind == "master" else
+     lambda *a: ops.sgd_step_(*a[:5], 1234, 0, 5, 17))(*none, None, Hyper(0.05, 0.0, 0.0, 0.0, False, False), False)
+    assert not torch.equal(none[0], ref[0])
