@@ -1,6 +1,7 @@
 """Helpers every benchmark family shares: sizes, timing, threads, progress lines, tables, the
 copy bandwidth, the report's epilogue (``benchmarks/run.py`` dispatches; each family is a
 module of ``benchmarks/families/``)."""
+import contextlib
 import json
 import os
 import sys
@@ -92,6 +93,19 @@ def sized(cfg, levels, device, size) -> dict:
         return {**cfg, "sizes": "quick"}
     small = size == "small" or (size == "auto" and emulated(levels, device))
     return {**cfg, **EMULATED, "sizes": "small"} if small else {**cfg, "sizes": "full"}
+
+
+@contextlib.contextmanager
+def env_restored(name: str):
+    """Put environment variable ``name`` back as found when the block ends (families set ``AMPKIT_FUSED`` per step)."""
+    saved = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def default_threads() -> int:

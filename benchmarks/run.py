@@ -1,12 +1,13 @@
-"""ampkit benchmarks: eight families measured side by side in one run, tables to stdout, JSON to a file.
+"""ampkit benchmarks: nine families measured side by side in one run, tables to stdout, JSON to a file.
 
-    python benchmarks/run.py [--quick] [--json PATH] [--only overhead,speedup,unscale,memory,scaling,compile,update,o7_compile]
+    python benchmarks/run.py [--quick] [--json PATH]
+                             [--only overhead,speedup,unscale,memory,scaling,compile,update,o7_compile,sgd_step]
                              [--compile-levels native|all|O0,O5] [--device cpu|cuda] [--threads N] [--size auto|full|small]
     python benchmarks/run.py --only convergence [--quick] [--json PATH] [--fashion-mnist DIR] [--text DIR] [--jobs N]
 
-The families, in order: overhead, speedup, unscale, memory, scaling, compile, update, o7_compile; each one's
-docstring (``benchmarks/families/<name>.py``) says what it measures, how, and its targets.
-A ninth, convergence (every level and peer trained on Fashion-MNIST and real text over seeds, against
+The families, in order: overhead, speedup, unscale, memory, scaling, compile, update, o7_compile, sgd_step;
+each one's docstring (``benchmarks/families/<name>.py``) says what it measures, how, and its targets.
+A tenth, convergence (every level and peer trained on Fashion-MNIST and real text over seeds, against
 O0; about 45 minutes on 2 cores, on data a Debian package installs), runs only when ``--only`` names it.
 
 Each family is a module of ``benchmarks/families/`` (its measurement, its report lines and its
@@ -35,7 +36,8 @@ from ampkit._cli.demo import machine
 
 from common import FULL, QUICK, Log, default_threads, finish, table
 
-FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update", "o7_compile", "convergence")
+FAMILIES = ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update", "o7_compile", "sgd_step",
+            "convergence")
 DEFAULT = FAMILIES[:-1]  # convergence: only when named
 
 

@@ -53,7 +53,7 @@ from torch import nn
 
 import ampkit
 
-from common import _sync, table, timed
+from common import _sync, env_restored, table, timed
 from families.update_profile import COLUMNS, SMALL, profile
 from families.update_variants import EAGER, KERNEL, TABLES, build, state_bytes, why_not
 
@@ -154,16 +154,10 @@ def bench_section(optimizer: str, n: int, steps: int, device, log) -> tuple:
 def run(cfg, device, args, log) -> dict:
     n, steps = cfg["update_params"], cfg["update_steps"]
     rows, sections = [], {}
-    saved = os.environ.get("AMPKIT_FUSED")
-    try:
+    with env_restored("AMPKIT_FUSED"):
         for optimizer in TABLES:  # one after the other: each section's models are freed before the next
             section_rows, sections[optimizer] = bench_section(optimizer, n, steps, device, log)
             rows += section_rows
-    finally:
-        if saved is None:
-            os.environ.pop("AMPKIT_FUSED", None)
-        else:
-            os.environ["AMPKIT_FUSED"] = saved
     prof = profile(n, log) if device.type == "cpu" else {}
     return {"params": n, "steps": steps, "threads": args.threads, "device": str(device), "sections": sections,
             "rows": rows, "profile": prof}

@@ -207,7 +207,8 @@ def bench_figures() -> str:
 
 # The benchmark scripts whose method the method page shows, in its order: (heading, command, source).
 BENCH_METHOD = [*[(name, f"python benchmarks/run.py --only {name}", f"benchmarks/families/{name}.py")
-                  for name in ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update", "o7_compile")],
+                  for name in ("overhead", "speedup", "unscale", "memory", "scaling", "compile", "update", "o7_compile",
+                               "sgd_step")],
                 ("frontier.py: the memory levels and their peers", "python benchmarks/frontier.py", "benchmarks/frontier.py"),
                 ("update_speed.py: the masterless levels' step against O5", "python benchmarks/update_speed.py",
                  "benchmarks/update_speed.py"),
