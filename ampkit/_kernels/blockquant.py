@@ -127,16 +127,15 @@ def _values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def counter_draws(out: torch.Tensor, seed: int, step: int, tensor: int, stream: int, index: Index) -> torch.Tensor:
-    """Fill int32 ``out`` (flat) with uniform 24-bit integers: the low 24 of the counter bits
-    (`counter_bits.bits32`) of ``(seed, step, tensor, stream)`` at the elements ``index,
+    """Fill int32 ``out`` (flat) with uniform 24-bit integers: the counter bits
+    `counter_bits.draws24` of ``(seed, step, tensor, stream)`` (``stream`` 1, 2, ...) at the elements ``index,
     index + 1, ...`` (an int), or at ``index`` (an int64 tensor of ``out``'s size); return it.
     In blocks, so the int64 words stay in cache."""
     index = index.reshape(-1).to(out.device) if torch.is_tensor(index) else index
     for lo in range(0, out.numel(), _DRAW_BLOCK):
         hi = min(out.numel(), lo + _DRAW_BLOCK)
         at = index[lo:hi] if torch.is_tensor(index) else index + lo
-        bits = counter_bits.bits32(seed, step, tensor, stream, at, hi - lo, out.device)
-        out[lo:hi] = bits.bitwise_and_((1 << 24) - 1)
+        out[lo:hi] = counter_bits.draws24(seed, step, tensor, stream, at, hi - lo, out.device)
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["GAMMA", "mix64", "key", "words", "bits32", "draws16", "shift16"]
+__all__ = ["GAMMA", "mix64", "key", "words", "draws24", "shift24", "draws16", "shift16"]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -52,12 +52,20 @@ def words(k: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
     return z.bitwise_xor_(_shr(z, 31))
 
 
-def bits32(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
-    """32 uniform random bits per element (as int64 in ``[0, 2**32)``) of ``stream``: for the
-    elements ``index`` (int64 tensor) or the run of ``n`` from ``index`` (int): half ``stream
-    % 2`` of word ``stream // 2``."""
-    z = words(key(seed, step, tensor, stream // 2), index, n, device)
-    return (_shr(z, 32) if stream % 2 else z.bitwise_and_(0xFFFFFFFF))
+def draws24(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
+    """Uniform 24-bit integers (int64, ``[0, 2**24)``) of state ``stream`` (1, 2, ...): for the
+    elements ``index`` (int64 tensor) or the run of ``n`` from ``index`` (int): bits `shift24`
+    up of word ``(stream - 1) // 2``, so streams 1 and 2 share word 0 with the weight's 16-bit
+    draws (stream 0 of `draws16`)."""
+    if stream < 1:
+        raise ValueError(f"draws24: stream={stream}: the 24-bit draws are of state streams 1, 2, ...")
+    z = words(key(seed, step, tensor, (stream - 1) // 2), index, n, device)
+    return _shr(z, shift24(stream)).bitwise_and_((1 << 24) - 1)
+
+
+def shift24(stream: int) -> int:
+    """Where the 24-bit draws of state ``stream`` start in their word: 16 or 40."""
+    return 16 + 24 * ((stream - 1) % 2)
 
 
 def draws16(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:

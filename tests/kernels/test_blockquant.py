@@ -186,8 +186,8 @@ def test_counter_draws_are_a_function_of_seed_step_tensor_stream_and_element():
 
 @pytest.mark.parametrize("stream", [1, 2])
 def test_draws_are_24_uniform_bits(stream):
-    """Every bit of the 24 is set half the time (5 sigma) in the low (odd stream) and high
-    (even stream) halves of the counter words; nothing above bit 23."""
+    """Every bit of the 24 is set half the time (5 sigma) at bits 16 (stream 1) and 40 (stream
+    2) of the counter words; nothing above bit 23."""
     n = 2**16 + 1
     d = draws(n, 5, 0, 0, stream)
     assert d.dtype == torch.int32 and d.numel() == n and d.min() >= 0 and d.max() < 2**24

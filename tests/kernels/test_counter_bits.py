@@ -26,7 +26,7 @@ def sample_size(effect: float, sd: float = 1.0) -> int:
 
 
 def uniforms(seed, step, tensor, stream, n, first=0) -> torch.Tensor:
-    return cb.bits32(seed, step, tensor, stream, first, n).double() / 2**32
+    return (cb.draws24(seed, step, tensor, stream, first, n).double() + 0.5) / 2**24
 
 
 def uniforms16(seed, step, tensor, stream, n) -> torch.Tensor:
@@ -36,37 +36,39 @@ def uniforms16(seed, step, tensor, stream, n) -> torch.Tensor:
 def test_words_are_splitmix64_of_the_keyed_counter():
     """The torch kernel (int64, wrapping) against Python's unbounded integers, across the sign
     bit and at indices past 2**32."""
-    for seed, step, tensor, stream in [(0, 0, 0, 0), (2**63 - 1, 10**9, 5, 3), (7, 1, 2**20, 1), (7, 1, 3, 6)]:
-        k = cb.key(seed, step, tensor, stream // 2)
+    for seed, step, tensor, stream in [(0, 0, 0, 1), (2**63 - 1, 10**9, 5, 3), (7, 1, 2**20, 2), (7, 1, 3, 6)]:
+        k = cb.key(seed, step, tensor, (stream - 1) // 2)  # 24-bit draws: bits 16 or 40 up of word (stream - 1) // 2
         for first in (0, 2**32 - 3, 2**45):
             got = cb.words(k, first, 6).tolist()
             assert [w % 2**64 for w in got] == [cb.mix64(k + (i + 1) * cb.GAMMA) for i in range(first, first + 6)]
-        want = [cb.mix64(k + (i + 1) * cb.GAMMA) >> (32 if stream % 2 else 0) & 0xFFFFFFFF for i in range(4)]
-        assert cb.bits32(seed, step, tensor, stream, 0, 4).tolist() == want
+        want = [cb.mix64(k + (i + 1) * cb.GAMMA) >> (16 if stream % 2 else 40) & 0xFFFFFF for i in range(4)]
+        assert cb.draws24(seed, step, tensor, stream, 0, 4).tolist() == want
         k16 = cb.key(seed, step, tensor, stream // 4)  # 16-bit draws: quarter stream % 4 of word stream // 4
         want16 = [cb.mix64(k16 + (i + 1) * cb.GAMMA) >> (16 * (stream % 4)) & 0xFFFF for i in range(3)]
         assert cb.draws16(seed, step, tensor, stream, torch.tensor([2, 0])).tolist() == [want16[2], want16[0]]
 
 
 def test_each_input_changes_the_bits():
-    base = cb.bits32(1, 2, 3, 0, 0, 64)
-    for args in [(2, 2, 3, 0), (1, 3, 3, 0), (1, 2, 4, 0), (1, 2, 3, 1), (1, 2, 3, 2)]:
-        assert (cb.bits32(*args, 0, 64) != base).sum() >= 60
+    base = cb.draws24(1, 2, 3, 1, 0, 64)
+    for args in [(2, 2, 3, 1), (1, 3, 3, 1), (1, 2, 4, 1), (1, 2, 3, 2), (1, 2, 3, 3)]:
+        assert (cb.draws24(*args, 0, 64) != base).sum() >= 60
 
 
 def test_a_run_equals_its_pieces_at_their_offsets_and_any_index_order():
     """The bits of element i are the same whether it is drawn in one run, in pieces from their
     offsets, or by an explicit index tensor (a shard that is not one run of its parameter)."""
-    whole = cb.bits32(5, 9, 1, 2, 0, 1000)
-    pieces = torch.cat([cb.bits32(5, 9, 1, 2, a, b - a) for a, b in [(0, 1), (1, 333), (333, 334), (334, 1000)]])
+    whole = cb.draws24(5, 9, 1, 2, 0, 1000)
+    pieces = torch.cat([cb.draws24(5, 9, 1, 2, a, b - a) for a, b in [(0, 1), (1, 333), (333, 334), (334, 1000)]])
     assert torch.equal(whole, pieces)
     picked = torch.tensor([999, 3, 3, 500])
-    assert torch.equal(cb.bits32(5, 9, 1, 2, picked), whole[picked])
+    assert torch.equal(cb.draws24(5, 9, 1, 2, picked), whole[picked])
+    with pytest.raises(ValueError, match="state streams"):
+        cb.draws24(5, 9, 1, 0, 0, 4)
 
 
 def test_bytes_are_uniform():
-    """Chi-square over the 256 values of each byte position of the 32 bits (df 255), for the
-    weight stream and a moment stream. Threshold: the 1 - ALPHA quantile (Wilson-Hilferty).
+    """Chi-square over the 256 values of each byte position of the 24 bits (df 255), for the
+    two moment streams (bits 16 and 40 up of one word). Threshold: the 1 - ALPHA quantile (Wilson-Hilferty).
     Sample size: the least that detects a departure of Cohen's w = 0.01 with probability POWER
     (the noncentral chi-square by its normal approximation)."""
     df, w = 255, 0.01
@@ -76,9 +78,9 @@ def test_bytes_are_uniform():
     while (df + lam) - Z_POWER * math.sqrt(2 * (df + 2 * lam)) < limit:  # power of the noncentral test < POWER
         lam += 1.0
     n = math.ceil(lam / w**2)  # ~2.1 million bytes
-    for stream in (0, 1):
-        bits = cb.bits32(11, 3, 0, stream, 0, n)
-        for shift in (0, 8, 16, 24):
+    for stream in (1, 2):
+        bits = cb.draws24(11, 3, 0, stream, 0, n)
+        for shift in (0, 8, 16):
             counts = torch.bincount(bits.bitwise_right_shift(shift).bitwise_and(255), minlength=256).double()
             chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum().item()
             assert chi2 < limit, (stream, shift, chi2)
@@ -106,7 +108,7 @@ def test_no_correlation(pair):
         "neighbouring elements": uniforms(3, 5, 2, 1, n, first=1),
         "consecutive steps": uniforms(3, 6, 2, 1, n),
         "the two moments": uniforms(3, 5, 2, 2, n),
-        "weight and moment": uniforms(3, 5, 2, 0, n),
+        "weight and moment": uniforms16(3, 5, 2, 0, n),  # the same word: bits 0..15 and 16..39
         "neighbouring tensors": uniforms(3, 5, 3, 1, n),
         "neighbouring seeds": uniforms(4, 5, 2, 1, n),
     }[pair]
@@ -125,7 +127,7 @@ def test_the_correlation_test_finds_a_correlation_of_rho():
     """The test above can fail: uniforms sharing a fraction of their bits with ``base`` (a
     correlation of 2 RHO) are caught."""
     base = uniforms(3, 5, 2, 1, N_CORR)
-    mixed = torch.where(uniforms(9, 9, 9, 0, N_CORR) < 2 * RHO, base, uniforms(3, 5, 2, 2, N_CORR))
+    mixed = torch.where(uniforms(9, 9, 9, 3, N_CORR) < 2 * RHO, base, uniforms(3, 5, 2, 2, N_CORR))
     assert abs(correlation(base, mixed)) >= CORR_LIMIT
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit._kernels import native
+from ampkit._kernels import blockquant, native
 from ampkit._kernels.fused_adamw import Hyper, arithmetic
 from ampkit._run.registry import current as current_run
 from ampkit._kernels.rounding import StochasticRounder, round_counter_
@@ -218,3 +218,45 @@ def test_the_adam_bound_holds_per_element_on_the_fused_path(lib, case):
         assert ((after - before * (1 - lr * wd)).abs() <= lr * adam_constant(0.9, 0.999) * (1 + 1e-5) + ulp).all()
         assert_state_within_bounds(opt, lambda k: adam_state_bound(0.9, 0.999, k))
     assert not calls and model.w.abs().max() <= 60 * lr * adam_constant(0.9, 0.999) * 1.01
+
+
+def checkpoint_from_the_layout(model, opt, step: int) -> dict:
+    """A checkpoint as O8 saved it before its counter draws changed (the format did not): the
+    state widened from hand-made codes and power-of-two scales (``state_8bit``'s layout), the
+    run's seed and step."""
+    g = torch.Generator().manual_seed(5)
+    state = {}
+    for i, p in enumerate(model.parameters()):
+        n, blocks = p.numel(), blockquant.num_blocks(p.numel())
+        mq = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=g)
+        vq = torch.randint(16, 254, (n,), dtype=torch.uint8, generator=g)
+        ms, vs = (2.0 ** torch.randint(lo, lo + 4, (blocks,), generator=g).float() for lo in (-40, -8))  # |m| far below the cap
+        m, r = (blockquant.dequantize(q, s, torch.empty(n)).view(p.shape) for q, s in ((mq, ms), (vq, vs)))
+        state[i] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": r.square()}
+    saved = opt.state_dict()
+    amp = ampkit.state_dict(optimizer=opt)
+    amp["stochastic_rounding"] = {"seed": 3, "step": step}
+    return {"model": model.state_dict(), "optimizer": {**saved, "state": state}, "amp": amp}
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+def test_a_checkpoint_saved_before_the_draws_changed_resumes(lib, monkeypatch):
+    """Loading gives back the saved values exactly (no draws), and the next steps run
+    from them: kernel and eager reference bit for bit, weights finite and moved."""
+    runs = []
+    for kind in ("kernel", "eager"):
+        monkeypatch.setattr(native, "_state", {} if kind == "kernel" else {"lib": None})
+        model, opt = o8()
+        ckpt = checkpoint_from_the_layout(model, opt, 7)
+        opt.load_state_dict(ckpt["optimizer"])
+        ampkit.load_state_dict(ckpt["amp"], optimizer=opt)
+        loaded = opt.state_dict()["state"]  # the values (a block's scale may differ: its codes with it)
+        assert all(torch.equal(bits(v), bits(loaded[i][k])) for i, st in ckpt["optimizer"]["state"].items()
+                   for k, v in st.items())
+        before = [p.detach().clone() for p in model.parameters()]
+        train(model, opt, batches(2))
+        assert current_run("t").rounder.step == 9 and opt.state[model.a.weight]["step"].item() == 9.0
+        assert all(bool(p.isfinite().all()) for p in model.parameters())
+        assert not torch.equal(before[1], model.a.weight.detach())
+        runs.append(snapshot(model, opt))
+    assert same(*runs)

@@ -2,51 +2,24 @@
    Blocks of 256 on the full parameter's flat index: local element i (global first + i) is in
    local block (first + i) / 256 - first / 256. The arithmetic of ADAMW_BODY (adamw.c) on m = int8 code *
    scale and v = (e4m4 code * scale)**2; the new sqrt(v), then m (capped against the stored
-   sqrt(v) times cap; cap NaN: none) quantized per block with the counter draws of streams 2
-   and 1. The old weight, codes and scales go to the backups bw, bm, bv, bms, bvs (so a step
-   that made a weight non-finite can be undone); *bad counts the blocks with a non-finite new weight. */
-#include "common.h"
-
-#define Q8_BLOCK 256
-static inline float q8_e4m4(uint8_t c) {  /* a uint8 code's value in units of its scale */
-    float v = c >= 16 ? q8_f((uint32_t)(c + (112 << 4)) << 19) : (float)c * 0x1p-18f;
-    v = c == 254 ? NAN : v;
-    return c == 255 ? INFINITY : v;
-}
-static inline float q8_scale(uint32_t absmax, int shift, float half_top) {  /* least 2**e with absmax <= top 2**e */
-    int e;
-    float m = frexpf(q8_f(absmax), &e);
-    e = e - shift + (m > half_top);
-    e = e < -149 ? -149 : (e > 127 ? 127 : e);
-    return ldexpf(1.0f, e);
-}
-
-static inline uint32_t q8_absmax(const float *x, int k, float top) {  /* of the x in [-top, top], as bits */
-    uint32_t most = 0;
-    for (int j = 0; j < k; j++) {
-        uint32_t u = q8_u(x[j]) & 0x7FFFFFFFu & -(uint32_t)(fabsf(x[j]) <= top);  /* NaN: 0 */
-        most = u > most ? u : most;
-    }
-    return most;
-}
+   sqrt(v) times cap; cap NaN: none) quantized per block with the draws of streams 2 and 1, which
+   share one counter word per element with the weight's (q8.h). The old weight, codes and scales go
+   to the backups bw, bm, bv, bms, bvs (so a step that made a weight non-finite can be undone); *bad
+   counts the blocks with a non-finite new weight. */
+#include "q8.h"
 
 /* One block of k elements (loops without branches, so that they vectorize). */
 static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, int8_t *restrict mq,
                              float *restrict ms, uint8_t *restrict vq, float *restrict vs, int k, int64_t first,
-                             uint64_t key0, uint64_t key1, const float *restrict c, float cap,
-                             uint16_t *restrict bw, int8_t *restrict bm, uint8_t *restrict bv, int64_t *restrict bad) {
-    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK], db[Q8_BLOCK];
-    const float top = 1.8125f * 0x1p127f, sm = *ms, sv0 = *vs, c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3],
-                c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8], c9 = c[9];
+                             uint64_t key, const float *restrict c, float cap, uint16_t *restrict bw,
+                             int8_t *restrict bm, uint8_t *restrict bv, int64_t *restrict bad) {
+    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK];
+    uint32_t lo[Q8_BLOCK], hi[Q8_BLOCK];
+    const float sm = *ms, sv0 = *vs, c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6],
+                c7 = c[7], c8 = c[8], c9 = c[9];
     const int l2 = c1 != 0.0f;
     uint32_t nbad = 0;  /* a flag, not a count: 32-bit lanes in the vector loop */
-    uint32_t wd[Q8_BLOCK], vd[Q8_BLOCK];
-    for (int j = 0; j < k; j++) {  /* the counter draws first: fewer live registers in the step below */
-        const uint64_t a = word(key0, first + j);  /* stream 0 (16-bit): bits 0..15, stream 1 (m, 32-bit): 32..55 */
-        wd[j] = (uint32_t)(a & 0xFFFF);
-        db[j] = (float)(int32_t)((a >> 32) & 0xFFFFFF);
-        vd[j] = (uint32_t)(word(key1, first + j) & 0xFFFFFF);  /* stream 2 (v, 32-bit): bits 0..23 */
-    }
+    q8_words(lo, hi, key, first, k);  /* first: fewer live registers in the step below */
     for (int j = 0; j < k; j++) {
         int8_t qm = mq[j]; uint8_t qv = vq[j]; uint16_t wj = w[j];
         bw[j] = wj; bm[j] = qm; bv[j] = qv;
@@ -61,53 +34,41 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         float denom = r / c6 + c7;
         p = p - (m / denom) * c8;
         nbad |= !isfinite(p);
-        w[j] = narrow(p, wd[j]);
+        w[j] = narrow(p, lo[j] & 0xFFFF);
         mb[j] = m; rb[j] = r;
     }
-    const float sv = q8_scale(q8_absmax(rb, k, top), 1, 0.90625f);
+    const q8_scale sv = q8_scale_of(q8_scale_exponent(q8_absmax(rb, k, Q8_TOP_E4M4), 1, 0.90625f));
     for (int j = 0; j < k; j++) {
         float r = rb[j];
-        int nan = !(r >= 0.0f), inf = r > top;
-        float y = (nan | inf) ? 0.0f : r / sv;
+        int nan = !(r >= 0.0f), inf = r > Q8_TOP_E4M4;
+        float y = (nan | inf) ? 0.0f : (r * sv.a) * sv.b;
         uint32_t u = q8_u(y);
         float lin = y * 0x1p18f, flin = floorf(lin);
         int normal = y >= 0x1p-14f;
         float low = normal ? (float)((int32_t)(u >> 19) - (112 << 4)) : flin;
         float frac = normal ? (float)(u & 0x7FFFF) * 0x1p-19f : lin - flin;
-        float d = (float)(int32_t)vd[j];
-        uint8_t code = (uint8_t)(int32_t)(low + (float)(d < frac * 0x1p24f));
+        uint8_t code = (uint8_t)(int32_t)(low + (float)(q8_draw2(hi[j]) < frac * 0x1p24f));
         code = nan ? 254 : (inf ? 255 : code);
         vq[j] = code;
-        float limit = (q8_e4m4(code) * sv) * cap;
+        float limit = (q8_e4m4(code) * sv.s) * cap;
         mb[j] = isinf(limit) ? 0.0f : mb[j];  /* exact Adam's update there is 0 */
         lb[j] = limit;
     }
-    const float sm1 = q8_scale(q8_absmax(mb, k, INFINITY), 7, 0.9921875f);
-    for (int j = 0; j < k; j++) {
-        float m = mb[j];
-        int fin = isfinite(m);
-        float y = fin ? fabsf(m) / sm1 : 0.0f;
-        float low = floorf(y), frac = y - low;
-        low = low + (float)(db[j] < frac * 0x1p24f);
-        float lim = floorf(lb[j] / sm1);
-        lim = isnan(lim) ? INFINITY : lim;
-        low = lim < low ? lim : low;
-        int8_t code = (int8_t)(int32_t)copysignf(low, m);
-        mq[j] = fin ? code : (int8_t)-128;
-    }
-    *ms = sm1; *vs = sv;
+    const q8_scale sm1 = q8_scale_of(q8_scale_exponent(q8_absmax(mb, k, INFINITY), 7, 0.9921875f));
+    q8_int8(mq, mb, lb, lo, hi, sm1, k);
+    *ms = sm1.s; *vs = sv.s;
     *bad += nbad;
 }
 
 static void adamw_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs,
-                             int64_t n, int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap,
+                             int64_t n, int64_t first, uint64_t key, const float *c, float cap,
                              uint16_t *bw, int8_t *bm, uint8_t *bv, float *bms, float *bvs, int64_t *bad) {
     for (int64_t a = 0; a < n;) {
         int64_t blk = (first + a) / Q8_BLOCK - first / Q8_BLOCK;
         int64_t b = ((first + a) / Q8_BLOCK + 1) * Q8_BLOCK - first;
         b = b > n ? n : b;
         bms[blk] = ms[blk]; bvs[blk] = vs[blk];
-        adamw_8bit_block(w + a, grad + a, mq + a, ms + blk, vq + a, vs + blk, (int)(b - a), first + a, key0, key1,
+        adamw_8bit_block(w + a, grad + a, mq + a, ms + blk, vq + a, vs + blk, (int)(b - a), first + a, key,
                          c, cap, bw + a, bm + a, bv + a, bad);
         a = b;
     }
@@ -121,7 +82,7 @@ static int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved down to
 
 /* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the blocks with a non-finite new weight. */
 void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
-                int64_t first, uint64_t key0, uint64_t key1, const float *c, float cap, uint16_t *bw, int8_t *bm,
+                int64_t first, uint64_t key, const float *c, float cap, uint16_t *bw, int8_t *bm,
                 uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
     int64_t total = 0;
     #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(+ : total)
@@ -130,7 +91,7 @@ void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_
         const int64_t blk = (first + lo) / Q8_BLOCK - first / Q8_BLOCK;
         int64_t count = 0;
         if (hi > lo)
-            adamw_8bit_range(w + lo, grad + lo, mq + lo, ms + blk, vq + lo, vs + blk, hi - lo, first + lo, key0, key1, c,
+            adamw_8bit_range(w + lo, grad + lo, mq + lo, ms + blk, vq + lo, vs + blk, hi - lo, first + lo, key, c,
                              cap, bw + lo, bm + lo, bv + lo, bms + blk, bvs + blk, &count);
         total += count;
     }

@@ -15,7 +15,7 @@ SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csr
     "round_bf16": (None, (DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int)),
     "adamw_fp32_state": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_int)),
     "adamw_bf16_state": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_int)),
-    "adamw_8bit": (None, (DATA, DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_uint64, CONSTS, c_float,
+    "adamw_8bit": (None, (DATA, DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_float,
                           DATA, DATA, DATA, DATA, DATA, COUNTS, c_int)),
     "adamw_master": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, CONSTS, c_int)),
     "adamw_remainder": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS,

@@ -1,0 +1,79 @@
+/* O8's 8-bit codes (_kernels/blockquant.py) in C, for the kernels that keep 8-bit state: blocks of 256
+   on the full parameter's flat index, a power-of-two scale per block, int8 linear and uint8 e4m4 codes,
+   rounded up with probability the fraction from 24-bit counter draws. */
+#ifndef AMPKIT_Q8_H
+#define AMPKIT_Q8_H
+
+#include "common.h"
+
+#define Q8_BLOCK 256
+#define Q8_TOP_E4M4 (1.8125f * 0x1p127f)  /* above this, a uint8 code is +inf */
+
+static inline float q8_e4m4(uint8_t c) {  /* a uint8 code's value in units of its scale */
+    float v = c >= 16 ? q8_f((uint32_t)(c + (112 << 4)) << 19) : (float)c * 0x1p-18f;
+    v = c == 254 ? NAN : v;
+    return c == 255 ? INFINITY : v;
+}
+static inline float q8_pow2(int e) {  /* 2**e, e in [-149, 127] */
+    return e >= -126 ? q8_f((uint32_t)(e + 127) << 23) : q8_f(1u << (e + 149));
+}
+/* The exponent of the least 2**e with absmax <= top 2**e: absmax = m 2**x (m in [0.5, 1), frexpf's),
+   e = x - shift, plus 1 when m > half_top; in [-149, 127]. */
+static inline int q8_scale_exponent(uint32_t absmax, int shift, float half_top) {
+    if (absmax == 0) return -shift;
+    int bias = 0;
+    if (absmax < 0x00800000u) {  /* subnormal: normalized exactly */
+        absmax = q8_u(q8_f(absmax) * 0x1p64f);
+        bias = 64;
+    }
+    const int x = (int)(absmax >> 23) - 126 - bias;
+    const float m = q8_f((absmax & 0x7FFFFFu) | (126u << 23));
+    const int e = x - shift + (m > half_top);
+    return e < -149 ? -149 : (e > 127 ? 127 : e);
+}
+/* x / 2**e as (x * a) * b: a power of two's reciprocal is exact, in two factors below 2**-126. */
+typedef struct { float s, a, b; } q8_scale;
+static inline q8_scale q8_scale_of(int e) {
+    q8_scale q = {q8_pow2(e), q8_pow2(e >= -126 ? -e : 126), e >= -126 ? 1.0f : q8_pow2(-e - 126)};
+    return q;
+}
+static inline uint32_t q8_absmax(const float *restrict x, int k, float top) {  /* of the x in [-top, top], as bits */
+    uint32_t most = 0;
+    for (int j = 0; j < k; j++) {
+        uint32_t u = q8_u(x[j]) & 0x7FFFFFFFu & -(uint32_t)(fabsf(x[j]) <= top);  /* NaN: 0 */
+        most = u > most ? u : most;
+    }
+    return most;
+}
+/* The counter word of each element: the weight's 16-bit draw (bits 0..15), stream 1's 24 (16..39) and
+   stream 2's (40..63), as lo = bits 0..31 and hi = 32..63. */
+static inline void q8_words(uint32_t *restrict lo, uint32_t *restrict hi, uint64_t key, int64_t first, int k) {
+    for (int j = 0; j < k; j++) {
+        const uint64_t a = word(key, first + j);
+        lo[j] = (uint32_t)a;
+        hi[j] = (uint32_t)(a >> 32);
+    }
+}
+static inline float q8_draw1(uint32_t lo, uint32_t hi) { return (float)(int32_t)((lo >> 16) | ((hi & 0xFF) << 16)); }
+static inline float q8_draw2(uint32_t hi) { return (float)(int32_t)(hi >> 8); }
+
+/* Int8 codes of the block's mb (non-finite: -128) at scale sc, rounded up when draw < frac 2**24, each
+   magnitude at most floor(limit / s) (lb; NULL or NaN: none). */
+static inline void q8_int8(int8_t *restrict q, const float *restrict mb, const float *restrict lb,
+                           const uint32_t *restrict lo, const uint32_t *restrict hi, q8_scale sc, int k) {
+    for (int j = 0; j < k; j++) {
+        float m = mb[j];
+        int fin = isfinite(m);
+        float y = fin ? (fabsf(m) * sc.a) * sc.b : 0.0f;
+        float low = floorf(y), frac = y - low;
+        low = low + (float)(q8_draw1(lo[j], hi[j]) < frac * 0x1p24f);
+        if (lb) {
+            float lim = floorf((lb[j] * sc.a) * sc.b);
+            lim = isnan(lim) ? INFINITY : lim;
+            low = lim < low ? lim : low;
+        }
+        int8_t code = (int8_t)(int32_t)copysignf(low, m);
+        q[j] = fin ? code : (int8_t)-128;
+    }
+}
+#endif
