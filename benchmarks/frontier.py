@@ -41,9 +41,10 @@ wall time is in its table heading and the JSON (``wall_s``).
    (or ``--train-batches N`` cycled).
 
 3. Targets (issue 24): loss within 0.002 of O5 (remainder, O7) or 0.005 (O7 bf16 state, O8), mean of
-   the seeds at each lr; bytes per parameter (remainder 12, O7 10, O7 bf16 state 6, O8 4.1); step time
-   against O5's (remainder and O7 1.00x, O7 bf16 state 1.05x, O8 1.3x); the controls more than 0.01
-   worse; fp8 within 0.01.
+   the seeds at each lr; bytes per parameter (remainder 12, O7 10, O7 bf16 state 6, O8 4.1); the whole
+   step's time against O5's, AdamW, the peers alternating beside them (O7 0.98x, O8 and remainder
+   1.00x, O7 bf16 state 1.05x; the cost table's "vs O5" is the same ratio for every row, peers
+   included); the controls more than 0.01 worse; fp8 within 0.01.
 
 Each training run is a fresh process (``ampkit._cli.demo.isolated``). ``--device cuda`` runs the same
 on a GPU; a variant that fails on the device is reported as skipped with its error.
@@ -235,9 +236,9 @@ def costs(spec, names, lr, steps, threads, device, log):
             row["step_ms_1t"] = timed[1][name]["step_ms"]
         rows.append(row)
     for row in rows:
-        for key, speed in (("step_ms", "speed_vs_O5"), ("step_ms_1t", "speed_vs_O5_1t")):
+        for key, suffix in (("step_ms", ""), ("step_ms_1t", "_1t")):
             if row.get(key) is not None and rows[0].get(key) is not None:
-                row[speed] = rows[0][key] / row[key]
+                row["time_vs_O5" + suffix] = row[key] / rows[0][key]
     log("step time: " + ", ".join(f"{r['variant']} {r['step_ms']:.1f} ms" for r in rows if "step_ms" in r))
     return rows
 
@@ -315,7 +316,7 @@ def bench_fp8(spec, steps, threads, device, train, log):
 
 LOSS_LIMITS = {"O5 remainder": 0.002, "O7": 0.002, "O7 bf16 state": 0.005, "O8": 0.005}  # |loss - O5|, mean of seeds
 BYTE_LIMITS = {"O5 remainder": 12, "O7": 10, "O7 bf16 state": 6, "O8": 4.1}  # bytes/param, step counters apart
-TIME_LIMITS = {"O5 remainder": 1.00, "O7": 1.00, "O7 bf16 state": 1.05, "O8": 1.3}  # step time / O5's (issue 24)
+TIME_LIMITS = {"O5 remainder": 1.00, "O7": 0.98, "O7 bf16 state": 1.05, "O8": 1.00}  # step time / O5's
 
 
 def targets(bf16, cost, fp8):
@@ -337,11 +338,10 @@ def targets(bf16, cost, fp8):
             out.append({"target": f"{v} <= {BYTE_LIMITS[v]} bytes/param, step counters apart",
                         "measured": f"{row['elementwise_bytes_per_param']:.3f} ({row['bytes_per_param']:.4f} with them)",
                         "met": row["elementwise_bytes_per_param"] <= BYTE_LIMITS[v]})
-        for key, how in (("speed_vs_O5", ""), ("speed_vs_O5_1t", ", 1 thread")):
+        for key, how in (("time_vs_O5", ""), ("time_vs_O5_1t", ", 1 thread")):
             if row.get(key):
-                ratio = 1 / row[key]
-                out.append({"target": f"{v} step time <= {TIME_LIMITS[v]:.2f}x O5 (alternating steps{how})",
-                            "measured": f"{ratio:.2f}x", "met": ratio <= TIME_LIMITS[v]})
+                out.append({"target": f"{v} step time <= {TIME_LIMITS[v]:.2f}x O5 (AdamW, alternating steps{how})",
+                            "measured": f"{row[key]:.3f}x", "met": row[key] <= TIME_LIMITS[v]})
     for row in fp8:
         if "vs_O5_loss" in row and row["variant"] != "O5":
             out.append({"target": f"{row['variant']} loss within 0.01 of O5", "measured": f"{row['vs_O5_loss']:+.4f}",
@@ -362,11 +362,12 @@ def print_report(spec, steps, seeds, train, bf16, cost, fp8, goals, wall, fp8_st
                        ("held-out", "heldout", "{:.4f}"), ("held-out vs O5", "heldout_vs_O5", "{:+.4f}"),
                        ("held-out vs O5 (seeds)", gaps("heldout"), "{}"), ("skipped", "skipped", "{}")]))
     print("\nCost (bytes/param after the last zero_grad(), seed 0: ampkit.footprint.persistent_bytes for ampkit, "
-          "peers.state_bytes for the peers; step time: every variant alternating step by step in one process)")
+          "peers.state_bytes for the peers; step time: every variant alternating step by step in one process; "
+          "vs O5: step time over O5's)")
     print(table(cost, [("variant", "variant", "{}"), ("bytes/param", "bytes_per_param", "{:.4f}"),
                        ("w/o step counters", "elementwise_bytes_per_param", "{:.3f}"), ("ms/step", "step_ms", "{:.1f}"),
-                       ("speed vs O5", "speed_vs_O5", "{:.2f}x"), ("ms/step 1 thread", "step_ms_1t", "{:.1f}"),
-                       ("speed vs O5, 1 thread", "speed_vs_O5_1t", "{:.2f}x"), ("first-step compile s", "first_step_s", "{:.2f}"),
+                       ("vs O5", "time_vs_O5", "{:.3f}x"), ("ms/step 1 thread", "step_ms_1t", "{:.1f}"),
+                       ("vs O5, 1 thread", "time_vs_O5_1t", "{:.3f}x"), ("first-step compile s", "first_step_s", "{:.2f}"),
                        ("skipped", "skipped", "{}")]))
     if fp8:
         print(f"\n2. fp8 (same LM, AdamW lr 1e-3, {fp8_steps} steps; loss = mean of the last 10; {wall['fp8']:.0f} s)")
