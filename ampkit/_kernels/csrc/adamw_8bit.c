@@ -74,12 +74,6 @@ static void adamw_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *mq, floa
     }
 }
 
-static int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved down to a block boundary (0 and n stay) */
-    if (i == 0 || i == n) return i;
-    int64_t b = (first + i) / Q8_BLOCK * Q8_BLOCK - first;
-    return b > 0 ? b : 0;
-}
-
 /* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the blocks with a non-finite new weight. */
 void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
                 int64_t first, uint64_t key, const float *c, float cap, uint16_t *bw, int8_t *bm,

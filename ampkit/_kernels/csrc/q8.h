@@ -9,6 +9,12 @@
 #define Q8_BLOCK 256
 #define Q8_TOP_E4M4 (1.8125f * 0x1p127f)  /* above this, a uint8 code is +inf */
 
+static inline int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved down to a block boundary (0 and n stay) */
+    if (i == 0 || i == n) return i;
+    int64_t b = (first + i) / Q8_BLOCK * Q8_BLOCK - first;
+    return b > 0 ? b : 0;
+}
+
 static inline float q8_e4m4(uint8_t c) {  /* a uint8 code's value in units of its scale */
     float v = c >= 16 ? q8_f((uint32_t)(c + (112 << 4)) << 19) : (float)c * 0x1p-18f;
     v = c == 254 ? NAN : v;

@@ -1,0 +1,104 @@
+"""O8's SGD step on one bfloat16 tensor with an 8-bit momentum buffer in one pass: the eager reference and the C kernel.
+
+Design (blocks on the full parameter, the arithmetic, the backups): docs/design/kernels.md, "O8's SGD with an 8-bit buffer".
+"""
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import counter_bits, native
+from .blockquant import counter_draws, dequantize, quantize_
+from .fused_adamw_8bit import BLOCK, span
+from .fused_sgd import BUFFER, NEW_BUFFER, Hyper, arithmetic
+from .rounding import round_counter_
+
+__all__ = ["step_", "restore_", "backups"]
+
+
+def step_eager(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int) -> bool:
+    """The reference in torch ops on flat contiguous tensors: the blocks of ``blockquant.py``,
+    shifted by ``first % BLOCK`` leading zeros (which change no block's scale and store code 0)."""
+    lead, n = first % BLOCK, w.numel()
+
+    def padded(t, dtype=torch.float32):
+        return torch.cat([torch.zeros(lead, dtype=dtype), t.to(dtype)])
+
+    buf = grad if new else dequantize(padded(bq, torch.int8), bs, torch.empty(lead + n), BLOCK)[lead:]
+    p, buf = arithmetic(w, grad, buf, hyper, new)
+    if not bool(p.isfinite().all()):
+        return False
+    round_counter_(w, p, seed, step, tensor, 0, first)
+    draws = padded(counter_draws(torch.empty(n, dtype=torch.int32), seed, step, tensor, 1, first), torch.int32)
+    codes = torch.empty(lead + n, dtype=torch.int8)
+    quantize_(codes, bs, padded(buf), draws, BLOCK)
+    bq.copy_(codes[lead:])
+    return True
+
+
+def step_native(lib, w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
+                backup) -> bool:
+    """`step_eager` in one pass of the C kernel (flat contiguous CPU tensors), threads over
+    ranges cut at block boundaries; ``backup``: ``(w, codes, scales)`` of the same sizes, the
+    old values put back on a non-finite step."""
+    bad = ctypes.c_int64(0)
+    lib.sgd_8bit(*(native.ptr(t) for t in (w, grad, bq, bs)), ctypes.c_int64(w.numel()), ctypes.c_int64(first),
+                 native.u64(counter_bits.key(seed, step, tensor, 0)), ctypes.c_int(NEW_BUFFER if new else BUFFER),
+                 ctypes.c_int(hyper.flags()), (ctypes.c_float * 4)(*hyper.consts()),
+                 *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
+    if bad.value == 0:
+        return True
+    restore_(w, bq, bs, backup)
+    return False
+
+
+def step_(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
+          lib: Optional[ctypes.CDLL] = None, backup: Optional[tuple] = None) -> bool:
+    """One SGD step with momentum of bf16 ``w`` (its bf16 ``grad``; the buffer as int8 codes
+    ``bq`` and `span` float32 scales ``bs``, made from the gradient when ``new``) in place:
+    with the kernel ``lib`` on CPU, else `step_eager`; the same bits either way. Returns False,
+    having written nothing, when a new weight would not be finite. The old values go to
+    ``backup`` (`backups`; fresh buffers when None), for `restore_`. Non-contiguous tensors are
+    stepped through contiguous copies."""
+    n = w.numel()
+    if bs.numel() != span(n, first) or bq.shape != w.shape or grad.shape != w.shape:
+        raise ValueError(f"fused_sgd_8bit.step_: grad and codes of w's shape {tuple(w.shape)} and {span(n, first)} "
+                         f"scales expected (first={first}), got {tuple(grad.shape)}, {tuple(bq.shape)} and "
+                         f"{bs.numel()}.")
+    if n == 0:
+        return True
+    backup = backups([(n, span(n, first))], {})[0] if backup is None else backup
+    tensors = [w, grad, bq, bs]
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    views = [f.view(-1) for f in flat]
+    if lib is not None and w.device.type == "cpu":
+        wrote = step_native(lib, *views, hyper, new, seed, step, tensor, first, backup)
+    else:
+        for b, t in zip(backup, (views[0], views[2], views[3])):
+            b.copy_(t)
+        wrote = step_eager(*views, hyper, new, seed, step, tensor, first)
+    if wrote:
+        for t, f in zip(tensors, flat):
+            if f is not t and t is not grad:
+                t.copy_(f)
+    return wrote
+
+
+def restore_(w, bq, bs, backup: tuple) -> None:
+    """Put back the values a `step_` wrote to ``backup``."""
+    for t, b in zip((w, bq, bs), backup):
+        t.copy_(b.view(t.shape))
+
+
+def backups(sizes, scratch: dict) -> list:
+    """Backup buffers ``(w, codes, scales)`` for each ``(elements, blocks)`` of ``sizes``, carved
+    from flat buffers kept in ``scratch`` (grown when too small)."""
+    n, blocks = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+    if scratch.get("n", -1) < n or scratch.get("blocks", -1) < blocks:
+        scratch.update(n=n, blocks=blocks, w=torch.empty(n, dtype=torch.bfloat16), q=torch.empty(n, dtype=torch.int8),
+                       s=torch.empty(blocks))
+    out, at, bt = [], 0, 0
+    for k, b in sizes:
+        out.append((scratch["w"][at:at + k], scratch["q"][at:at + k], scratch["s"][bt:bt + b]))
+        at, bt = at + k, bt + b
+    return out

@@ -1,0 +1,129 @@
+"""O8's SGD kernel with an 8-bit momentum buffer equals its eager reference bit for bit: odd sizes,
+blocks cut by ``first`` (FSDP2 shards starting inside a block), strided and empty tensors, first and
+later steps, 1 or 2 threads, NaN codes, and steps that would write non-finite weights (nothing
+written); the reference is torch's SGD arithmetic on the widened buffer."""
+import pytest
+import torch
+
+from ampkit._kernels import native
+from ampkit._kernels.blockquant import NAN_INT8, dequantize, quantize_
+from ampkit._kernels.fused_adamw_8bit import BLOCK, span
+from ampkit._kernels.fused_sgd import Hyper
+from ampkit._kernels.fused_sgd_8bit import step_
+from ampkit._kernels.rounding import round_counter_
+from tests.kernels.test_fused_adamw_8bit import same
+
+HYPERS = [Hyper(0.1, 0.9, 0.0, 5e-4, False, False),  # the ImageNet recipe
+          Hyper(3e-2, 0.8, 0.0, 1e-2, True, True)]  # Nesterov (dampening 0, as torch requires), maximize
+DAMPED = Hyper(3e-2, 0.7, 0.3, 0.0, False, False)
+
+
+def tensors(n: int, first: int = 0, seed: int = 0) -> list:
+    """``[w, grad, buffer codes, buffer scales]`` with the blocks of ``first``."""
+    g = torch.Generator().manual_seed(seed)
+    lead = first % BLOCK
+    w, grad = torch.randn(n, generator=g).bfloat16(), (torch.randn(n, generator=g) * 1e-2).bfloat16()
+    buf = torch.cat([torch.zeros(lead), torch.randn(n, generator=g) * 1e-2])
+    q, s = torch.empty(lead + n, dtype=torch.int8), torch.empty(span(n, first))
+    quantize_(q, s, buf, None, BLOCK)
+    return [w, grad, q[lead:].clone(), s]
+
+
+def test_a_step_is_torchs_sgd_on_the_widened_buffer_rounded_with_the_counter_bits():
+    """Independently of the reference: SGD's formulas on the widened buffer, one rounding per
+    operation, the weight rounded with stream 0; the new buffer stored as one of its two
+    neighbouring codes."""
+    n = 1000
+    w, grad, q, s = tensors(n)
+    buf = dequantize(q, s, torch.empty(n), BLOCK)
+    hyper = HYPERS[0]
+    g = grad.float() + w.float() * torch.tensor(hyper.weight_decay)
+    b = buf * hyper.momentum + g * (1 - hyper.dampening)
+    p = w.float() - b * hyper.lr
+    want = torch.empty(n, dtype=torch.bfloat16)
+    round_counter_(want, p, 4, 7, 2, 0, 0)
+    assert step_(w, grad, q, s, hyper, False, 4, 7, 2, 0, lib=None)
+    assert torch.equal(w, want)
+    stored = dequantize(q, s, torch.empty(n), BLOCK)
+    step = s.repeat_interleave(BLOCK)[:n]
+    assert ((stored - b).abs() <= step).all()  # one of the two neighbouring codes
+
+
+@pytest.mark.parametrize("new", [True, False])
+@pytest.mark.parametrize("hyper", HYPERS + [DAMPED])
+@pytest.mark.parametrize("n,first", [(0, 0), (1, 0), (7, 3), (1001, 0), (1001, 100), (300, 255),
+                                     (3 * native.MIN_PER_THREAD + 5, 513)])
+def test_kernel_equals_the_eager_reference(lib, n, first, hyper, new):
+    ref = tensors(n, first)
+    got = [t.clone() for t in ref]
+    assert step_(*ref, hyper, new, 5, 2, 1, first, lib=None)
+    assert step_(*got, hyper, new, 5, 2, 1, first, lib=lib)
+    assert same(ref, got)
+    if n > 100:  # it stepped: weights and codes moved
+        fresh = tensors(n, first)
+        assert all(not torch.equal(ref[i], fresh[i]) for i in (0, 2))
+
+
+def test_the_first_step_ignores_the_old_codes(lib):
+    """``new``: the buffer is the gradient (torch's first step), whatever the codes held."""
+    a, b = tensors(600), tensors(600)
+    b[2].fill_(NAN_INT8)
+    for t in (a, b):
+        assert step_(*t, HYPERS[0], True, 1, 1, 0, 0, lib=lib)
+    assert same(a, b)
+
+
+def test_non_contiguous_tensors_and_any_thread_count(lib):
+    n, first = 2 * native.MIN_PER_THREAD + 3, 1000
+    base = tensors(n, first)
+    runs = {k: [t.clone() for t in base] for k in ("eager", "one", "two")}
+    runs["strided"] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in base]
+    assert not runs["strided"][0].is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        step_(*runs["eager"], HYPERS[0], False, 1, 2, 3, first, lib=None)
+        for key, count in (("one", 1), ("two", 2), ("strided", 2)):
+            torch.set_num_threads(count)
+            step_(*runs[key], HYPERS[0], False, 1, 2, 3, first, lib=lib)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("one", "two", "strided"):
+        assert same(runs["eager"], runs[key]), key
+
+
+@pytest.mark.parametrize("use_lib", [False, True])
+def test_pieces_cut_at_block_boundaries_step_as_the_whole(lib, use_lib):
+    whole = tensors(1000)
+    pieces = [t.clone() for t in whole]
+    step_(*whole, HYPERS[0], False, 9, 4, 2, 0, lib=lib if use_lib else None)
+    for a, b in [(0, 256), (256, 768), (768, 1000)]:
+        part = [pieces[0][a:b], pieces[1][a:b], pieces[2][a:b], pieces[3][a // BLOCK:span(b, 0)]]
+        step_(*part, HYPERS[0], False, 9, 4, 2, a, lib=lib if use_lib else None)
+    assert same(whole, pieces)
+
+
+@pytest.mark.parametrize("use_lib", [False, True])
+@pytest.mark.parametrize("case", ["nan_buffer", "weight_overflows"])
+def test_a_step_with_a_non_finite_weight_writes_nothing(lib, use_lib, case):
+    n, first = 2 * native.MIN_PER_THREAD + 3, 77
+    t = tensors(n, first)
+    hyper = HYPERS[0]
+    if case == "nan_buffer":
+        t[2][n - 5] = NAN_INT8
+    else:
+        t[0][n // 2], t[1][n // 2] = 3.3e38, -1.0
+        hyper = Hyper(3e37, 0.9, 0.0, 0.0, False, False)
+    before = [x.clone() for x in t]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not step_(*t, hyper, False, 1, 1, 0, first, lib=lib if use_lib else None)
+    finally:
+        torch.set_num_threads(threads)
+    assert same(before, t)
+
+
+def test_shapes_are_checked():
+    w, grad, q, s = tensors(300)
+    with pytest.raises(ValueError, match="scales expected"):
+        step_(w, grad, q, s[:1], HYPERS[0], False, 1, 1, 0, 0)
