@@ -2,10 +2,10 @@
 
 The masters themselves (made, registered, copied into the model after the step) are the
 optimizer state's (``_optim/optimizer_state.py``); this is the step: masters of a plain
-AdamW / Adam take one fused pass each (``fused_update.step_masters``), the optimizer's own step
-the rest.
+AdamW / Adam (``fused_update.step_masters``) or SGD (``fused_sgd_update.step_masters``) take one
+fused pass each, the optimizer's own step the rest.
 """
-from . import fused_update
+from . import fused_sgd_update, fused_update
 from .base import OptimizerUpdate
 
 
@@ -16,11 +16,12 @@ class MastersUpdate(OptimizerUpdate):
         """Fused masters write their model parameters too (returned); the optimizer's own step
         skips parameters without gradients, so the fused masters' are set aside for it."""
         opt, state = self.optimizer, self.opt_state
-        fused = fused_update.masters_to_step(opt, state.owner) if state.masters else []
+        kind = fused_sgd_update if fused_sgd_update.is_sgd(opt) else fused_update
+        fused = kind.masters_to_step(opt, state.owner) if state.masters else []
         if not fused:
             return self.own_step(), ()
         held = len(opt.state)
-        fused_update.step_masters(opt, fused)
+        kind.step_masters(opt, fused)
         grads = [(m, m.grad) for _, m, _ in fused]
         for m, _ in grads:
             m.grad = None

@@ -4,24 +4,28 @@ The optimizer holds the model's half parameters and steps on their fp32 copies, 
 chunk (`ChunkedUpdate`); the results are rounded back stochastically (the counter bits: the
 same for any chunking or sharding) or to nearest. With ``optimizer_state_dtype=torch.bfloat16``
 the elementwise state is stored in bf16 between steps, rounded the same way. A plain AdamW /
-Adam steps its bf16 parameters in O7's fused kernel instead (``fused_update.step``). Design
-notes: docs/design/update-engine.md.
+Adam steps its bf16 parameters in O7's fused kernel instead (``fused_update.step``), a plain SGD in
+its own (``fused_sgd_update.step``). Design notes: docs/design/update-engine.md.
 """
 import torch
 
-from . import fused_update
+from . import fused_sgd_update, fused_update
 from .chunks import ChunkedUpdate
 
 
 class RoundedUpdate(ChunkedUpdate):
-    """O7's update: the chunks, or O7's fused AdamW for the parameters it takes."""
+    """O7's update: the chunks, or O7's fused AdamW or SGD for the parameters it takes."""
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether ``p`` steps in O7's fused AdamW (stochastic rounding, float32 or bf16 state)."""
+        """Whether ``p`` steps in O7's fused AdamW or SGD (stochastic rounding, float32 or bf16 state)."""
         if not self.fused_on or not self.stochastic:
             return False
         return (self.state_dtype in (None, torch.float32, torch.bfloat16)
-                and fused_update.eligible(self.optimizer, group, p, grad, self.state_dtype))
+                and self._kind().eligible(self.optimizer, group, p, grad, self.state_dtype))
 
     def _step_fused(self, params, grads: dict) -> None:
-        fused_update.step(self.optimizer, params, grads, self.state_dtype, self.rounder, self.ids)
+        self._kind().step(self.optimizer, params, grads, self.state_dtype, self.rounder, self.ids)
+
+    def _kind(self):
+        """The fused update's module for this optimizer."""
+        return fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update

@@ -131,11 +131,11 @@ def test_fused_support_on_cpu_is_as_listed():
 def test_matches_hand_written_master_weight_loop(level, name, variant, grads, monkeypatch):
     """Bit-identical either way the fp32 master gradients are held: fresh every step (small
     models) or one buffer per master reused across steps (large ones). O5's masters of a plain
-    AdamW / Adam step in ampkit's fused update unless ``AMPKIT_FUSED=0``, which gives exactly
-    this loop with torch's step (the fused one is checked against this loop with its own
-    arithmetic in test_fused_update.py)."""
+    AdamW / Adam / SGD step in ampkit's fused update unless ``AMPKIT_FUSED=0``, which gives exactly
+    this loop with torch's step (the fused ones are checked against this loop with their own
+    arithmetic in test_fused_update.py, against torch's SGD in test_fused_sgd_update.py)."""
     monkeypatch.setattr(optimizer_state, "REUSED_GRADS_BYTES", 0 if grads == "reused" else 2**62)
-    if level == "O5" and name in ("adam", "adamw") and variant != "fused":
+    if level == "O5" and name in ("adam", "adamw", "sgd", "sgd_momentum") and variant != "fused":
         monkeypatch.setenv("AMPKIT_FUSED", "0")  # the rest never reach the fused update
     cls, kw = optimizer_kwargs(name, variant)
     base = Net()

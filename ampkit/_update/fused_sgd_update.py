@@ -1,0 +1,110 @@
+"""Fused SGD: ``torch.optim.SGD`` steps in one pass per tensor (``_kernels/fused_sgd.py``).
+
+* O5's fp32 masters of bf16 parameters (`step_masters`): master, its fp32 gradient and the
+  momentum buffer read once; master, buffer and the bf16 model weight (to nearest even) written once.
+* O7 (`step`): the bf16 weight, its bf16 gradient and the float32 or bf16 buffer read once and
+  written once, rounded stochastically with the chunked update's bits (weight stream 0, buffer 1).
+
+Eligible: an exact ``torch.optim.SGD`` (not a subclass; no ``differentiable`` or ``fused``) on CPU
+tensors with dense gradients. The arithmetic is torch's SGD with one rounding per operation:
+torch's own ``add(alpha=)`` is one fused multiply-add in its AVX2 / AVX512 loops, so results agree
+with it to the last float32 bit or so, bit for bit on its portable kernels. The state stays
+torch's (``momentum_buffer``, keyed by the parameter or the master; none when momentum is 0), so
+checkpoints move between the fused path and plain torch.
+"""
+import torch
+
+from .._kernels import ops
+from .._kernels.fused_sgd import Hyper
+from .fused_update import enabled
+from .shards import global_index, like, local
+
+STATE_KEY = "momentum_buffer"
+
+
+def is_sgd(optimizer) -> bool:
+    """``optimizer`` is an exact ``torch.optim.SGD``."""
+    return type(optimizer) is torch.optim.SGD
+
+
+def exact_group(optimizer, group: dict) -> bool:
+    """An exact SGD whose ``group`` asks for nothing the kernels do not do (differentiable, fused)."""
+    return is_sgd(optimizer) and not (group.get("differentiable") or group.get("fused"))
+
+
+def hyper(group: dict) -> Hyper:
+    """The `Hyper` of ``group``, read at each step (schedulers change ``lr``)."""
+    return Hyper(float(group["lr"]), float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                 bool(group["nesterov"]), bool(group.get("maximize", False)))
+
+
+def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
+    buf = state.get(STATE_KEY) if state else None
+    return (not state or set(state) == {STATE_KEY}) and (
+        buf is None or (torch.is_tensor(buf) and buf.dtype == dtype and buf.shape == p.shape and not buf.is_sparse))
+
+
+def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
+    """Whether bf16 ``p`` of ``group`` steps in O7's `step`: on CPU, a dense bf16 gradient, an
+    `exact_group`, its buffer (if any) as this path keeps it."""
+    if (p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse or local(p).device.type != "cpu"
+            or not exact_group(optimizer, group)):
+        return False
+    return _state_as_kept(optimizer.state.get(p), p, torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32)
+
+
+def _buffer(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
+    """``(p``'s momentum buffer, whether it is made on this step)``: None when momentum is 0 (torch
+    then keeps none); a new one (its values the step's) kept as torch keeps it."""
+    if group["momentum"] == 0:
+        return None, False
+    state = optimizer.state[p]
+    buf = state.get(STATE_KEY)
+    if buf is not None:
+        return buf, False
+    state[STATE_KEY] = like(torch.empty_like(local(p), dtype=dtype), p)
+    return state[STATE_KEY], True
+
+
+def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
+    """One SGD step of each ``(group, p)`` of ``params`` (all `eligible`)."""
+    dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
+    hypers = {}  # per group, read once a step
+    for group, p in params:
+        h = hypers.setdefault(id(group), hyper(group))
+        buf, new = _buffer(optimizer, group, p, dtype)
+        with torch.no_grad():
+            ops.sgd_step_(local(p), local(grads[p]), None if buf is None else local(buf), h, new, rounder.seed,
+                          rounder.step, ids[p], global_index(p))
+
+
+def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in `step_masters`: its gradient
+    dense fp32, both on the CPU, an `exact_group` not being traced by ``torch.compile``, a float32
+    buffer (if any)."""
+    grad = master.grad
+    if (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32 or grad.dtype != torch.float32
+            or grad.is_sparse or master.shape != param.shape or local(master).device.type != "cpu"
+            or local(param).device.type != "cpu" or not exact_group(optimizer, group)
+            or torch.compiler.is_compiling()):
+        return False
+    return _state_as_kept(optimizer.state.get(master), master, torch.float32)
+
+
+def masters_to_step(optimizer, owner: dict) -> list:
+    """``(group, master, param)`` of each master (``owner``: master -> bf16 model parameter) that
+    `step_masters` steps this time (none with ``AMPKIT_FUSED=0``)."""
+    if not enabled() or not is_sgd(optimizer):
+        return []
+    return [(g, m, owner[m]) for g in optimizer.param_groups for m in g["params"]
+            if m in owner and master_eligible(optimizer, g, m, owner[m])]
+
+
+def step_masters(optimizer, items) -> None:
+    """One SGD step of each O5 master of ``items`` (from `masters_to_step`), writing its bf16 model parameter too."""
+    hypers = {}
+    for group, m, p in items:
+        h = hypers.setdefault(id(group), hyper(group))
+        buf, new = _buffer(optimizer, group, m, torch.float32)
+        with torch.no_grad():
+            ops.sgd_master_step_(local(m), local(m.grad), None if buf is None else local(buf), h, new, local(p))
