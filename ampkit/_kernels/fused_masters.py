@@ -3,6 +3,7 @@
 Each step has an eager reference and a C kernel with the same bits. Design: docs/design/kernels.md, "Masters".
 """
 import ctypes
+import threading
 from typing import Optional
 
 import torch
@@ -60,23 +61,57 @@ def step_remainder_eager(w, r, grad, m, v, hyper: Hyper) -> None:
 
 
 def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tensor) -> torch.Tensor:
-    """`step_remainder_eager` in one pass of the C kernel (contiguous flat CPU tensors,
-    ``table`` ascending); returns the new side table."""
+    """`step_remainder_eager` in one pass of the C kernel (contiguous CPU tensors, ``table``
+    ascending); returns the new side table."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
-    parts, todo = [], [(0, w.numel())]
-    while todo:  # the candidates are rare: a range whose buffer filled up goes on from where it stopped
-        lo, hi = todo.pop(0)
+    tensors, listed = (w, r, grad, m, v), (table.data_ptr(), table.numel())
+
+    def call(lo, hi, found, cap, counts, done, threads):
+        lib.adamw_remainder(*addresses(tensors, lo), hi - lo, lo, *listed, found, cap, counts, done, consts, threads)
+    return captured(call, w.numel())
+
+
+def addresses(tensors, at: int) -> list:
+    """The addresses of element ``at`` of contiguous ``tensors`` (as `native.ptr`, without its object per tensor)."""
+    return [t.data_ptr() + at * t.element_size() for t in tensors] if at else [t.data_ptr() for t in tensors]
+
+
+class _Capture(threading.local):
+    """A thread's capture buffer for the remainder kernels' candidates and its per-range counts,
+    kept from call to call (grown when a call needs more)."""
+
+    def __init__(self):
+        self.found, self.counts, self.done = torch.empty(0, dtype=torch.int64), None, None
+
+    def buffers(self, k: int, cap: int):
+        if self.found.numel() < k * cap:
+            self.found = torch.empty(k * cap, dtype=torch.int64)
+        if self.counts is None or len(self.counts) < k:
+            self.counts, self.done = (ctypes.c_int64 * k)(), (ctypes.c_int64 * k)()
+        return self.found, self.counts, self.done
+
+
+_CAPTURE = _Capture()
+
+
+def captured(call, n: int) -> torch.Tensor:
+    """The side table a remainder kernel finds over elements ``[0, n)``, a tensor of its own
+    (empty when there are none). ``call(lo, hi, found, cap, counts, done, threads)`` runs the
+    kernel on ``[lo, hi)`` in ``threads`` ranges, range ``t``'s entries at ``found + t * cap``
+    (``counts[t]`` of them), ``done[t]`` its elements done (fewer where its buffer filled up:
+    the candidates are rare, and a range goes on from where it stopped)."""
+    parts, todo = [], [(0, n)]
+    while todo:
+        lo, hi = todo.pop()
         threads = native.threads(hi - lo)
         k = threads.value
         cap = RBLOCK + 64 + (hi - lo) // k // 4096
-        found, counts, done = torch.empty(k, cap, dtype=torch.int64), (ctypes.c_int64 * k)(), (ctypes.c_int64 * k)()
-        lib.adamw_remainder(*(native.ptr(t, lo) for t in (w, r, grad, m, v)), ctypes.c_int64(hi - lo),
-                            ctypes.c_int64(lo), native.ptr(table), ctypes.c_int64(table.numel()), native.ptr(found),
-                            ctypes.c_int64(cap), counts, done, consts, threads)
+        found, counts, done = _CAPTURE.buffers(k, cap)
+        call(lo, hi, found.data_ptr(), cap, counts, done, threads)
         for t in range(k):
             start, end = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k
-            if counts[t]:  # a copy: the table owns its entries, not the capture buffer
-                parts.append((start, found[t, :counts[t]].clone()))
+            if counts[t]:  # a copy: the table owns its entries, the buffer is the next call's
+                parts.append((start, found[t * cap:t * cap + counts[t]].clone()))
             if start + done[t] < end:
                 todo.append((start + done[t], end))
     if len(parts) < 2:
@@ -88,18 +123,41 @@ def step_remainder_(w, r, grad, m, v, hyper: Hyper, lib: Optional[ctypes.CDLL] =
     """One AdamW / Adam step of the float32 master held as bfloat16 ``w`` and int16 ``r`` (and
     its side table), with bfloat16 ``grad`` and float32 state ``m``, ``v``, in place: with the
     kernel ``lib`` on CPU, else `step_remainder_eager`; the same bits either way."""
+    set_side_table(r, step_remainder_table_(w, r, grad, m, v, hyper, side_table(r), lib))
+
+
+def step_remainder_table_(w, r, grad, m, v, hyper: Hyper, table: torch.Tensor,
+                          lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """`step_remainder_` with ``r``'s side table given as ``table``: returns the new table
+    (a tensor of its own) instead of setting it."""
     tensors = [w, r, grad, m, v]
     _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32], "step_remainder_",
            ["w", "r", "grad", "m", "v"])
     if w.numel() == 0:
-        return
+        return table
     if lib is None or w.device.type != "cpu":
-        return step_remainder_eager(w, r, grad, m, v, hyper)
-    table = side_table(r)
-    table = table if table.numel() < 2 or bool((table[1:] > table[:-1]).all()) else table.sort().values
+        set_side_table(r, table)
+        step_remainder_eager(w, r, grad, m, v, hyper)
+        return side_table(r)
+    table = ascending(table).contiguous()
+    if all(t.is_contiguous() for t in tensors):  # the usual case: no copies
+        return step_remainder_native(lib, w, r, grad, m, v, hyper, table)
     with _contiguous(tensors, written=[0, 1, 3, 4]) as flat:
-        found = step_remainder_native(lib, *flat, hyper, table.contiguous())
-    set_side_table(r, found)
+        return step_remainder_native(lib, *flat, hyper, table)
+
+
+def ascending(table: torch.Tensor) -> torch.Tensor:
+    """``table`` sorted (as the kernels read it); as it is when it is already (as `split_` and
+    the kernels write it)."""
+    if table.numel() < 2:
+        return table
+    if table.numel() <= 64:  # the usual few entries: cheaper on the host than three torch ops
+        listed = table.tolist()
+        if all(a <= b for a, b in zip(listed, listed[1:])):
+            return table
+    elif bool((table[1:] >= table[:-1]).all()):
+        return table
+    return table.sort().values
 
 
 class _contiguous:

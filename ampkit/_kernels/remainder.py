@@ -4,7 +4,7 @@ and a small side table for the few values 16 bits cannot hold.
 Design (the encoding, the side table, edge cases): docs/design/memory-levels.md, "The remainder encoding".
 """
 from itertools import accumulate
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -53,11 +53,14 @@ def combine(ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor], outs: Sequen
     _scatter(outs, out)
 
 
-def side_table(r: torch.Tensor) -> torch.Tensor:
+def side_table(r: torch.Tensor, empty: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The flat indices (int64) of ``r``'s elements whose master lies one ULP above what the
-    16 bits hold (``d = +32767`` above an even ``w``); empty when there are none."""
+    16 bits hold (``d = +32767`` above an even ``w``); when there are none, ``empty`` (an
+    empty int64 tensor, not to be written) or a new empty tensor."""
     table = vars(r).get(_TABLE)
-    return torch.zeros(0, dtype=torch.int64, device=r.device) if table is None else table
+    if table is not None:
+        return table
+    return torch.zeros(0, dtype=torch.int64, device=r.device) if empty is None else empty
 
 
 def set_side_table(r: torch.Tensor, table: torch.Tensor) -> None:

@@ -183,11 +183,14 @@ def step_masters(optimizer, items) -> None:
 def step_remainders(optimizer, params, grads: dict, remainders) -> None:
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible` with
     float32 state), whose master is ``p`` with ``remainders[i]``."""
+    hypers = {}  # per group, looked up once a step (the op reads the step count itself)
     for (group, p), r in zip(params, remainders):
         state = _advance(optimizer, p, torch.float32)
+        if id(group) not in hypers:
+            hypers[id(group)] = hyper(optimizer, group, 0.0)
         with torch.no_grad():
             ops.remainder_step_(local(p), r, local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                                hyper(optimizer, group, 0.0), state["step"])
+                                hypers[id(group)], state["step"])
 
 
 def order_state(opt, ids: dict) -> None:
