@@ -8,12 +8,13 @@ from typing import Optional
 
 import torch
 
-from . import fused_adamw, fused_adamw_8bit, fused_masters, fused_sgd, native
+from . import fused_adamw, fused_adamw_8bit, fused_masters, fused_sgd, fused_sgd_8bit, native
 from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
-__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_", "sgd_step_", "sgd_master_step_"]
+__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_", "sgd_step_", "sgd_master_step_",
+           "sgd_8bit_step_"]
 
 
 def _hyper(hyper: list, flags: list, count: torch.Tensor) -> Hyper:
@@ -124,6 +125,19 @@ _declare("sgd_master(Tensor(a!) x, Tensor grad, Tensor(b!)? buf, Tensor(c!)? w, 
          sgd_master, lambda x, grad, buf, w, hyper, flags, new: None)
 
 
+def sgd_8bit(w, grad, bq, bs, backup, hyper, flags, new, seed, step, tensor, first) -> torch.Tensor:
+    """O8's SGD step (`fused_sgd_8bit.step_`) with the buffer as codes ``bq`` and scales ``bs``;
+    returns whether it wrote (a bool tensor: False on a non-finite new weight)."""
+    wrote = fused_sgd_8bit.step_(w, grad, bq, bs, _sgd(hyper, flags), new, seed, step, tensor, first, native.library(),
+                                 tuple(backup))
+    return torch.tensor(wrote)
+
+
+_declare("sgd_8bit(Tensor(a!) w, Tensor grad, Tensor(b!) bq, Tensor(c!) bs, Tensor(d!)[] backup, float[] hyper, "
+         "bool[] flags, bool new, int seed, int step, int tensor, int first) -> Tensor",
+         sgd_8bit, lambda *args: torch.empty((), dtype=torch.bool))
+
+
 def adamw_step_(w, grad, m, v, hyper: Hyper, count: torch.Tensor, seed: int, step: int, tensor: int,
                 index: Index) -> None:
     """`fused_adamw.step_` of CPU tensors with ``hyper`` at step ``count`` (a tensor, read in the
@@ -163,3 +177,10 @@ def sgd_step_(w, grad, buf, hyper: fused_sgd.Hyper, new: bool, seed: int, step: 
 def sgd_master_step_(x, grad, buf, hyper: fused_sgd.Hyper, new: bool, w: Optional[torch.Tensor] = None) -> None:
     """`fused_sgd.step_master_` of CPU tensors, as the op."""
     torch.ops.ampkit.sgd_master(x, grad, buf, w, *_sgd_values(hyper), new)
+
+
+def sgd_8bit_step_(w, grad, bq, bs, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
+                   backup: tuple) -> bool:
+    """`fused_sgd_8bit.step_` of CPU tensors, as the op."""
+    return bool(torch.ops.ampkit.sgd_8bit(w, grad, bq, bs, list(backup), *_sgd_values(hyper), new, seed, step, tensor,
+                                          first))

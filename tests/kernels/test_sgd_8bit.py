@@ -127,3 +127,19 @@ def test_shapes_are_checked():
     w, grad, q, s = tensors(300)
     with pytest.raises(ValueError, match="scales expected"):
         step_(w, grad, q, s[:1], HYPERS[0], False, 1, 1, 0, 0)
+
+
+def test_the_declared_op_gives_the_kernels_bits(lib):
+    """``ampkit::sgd_8bit`` (first and later steps) writes what `step_` writes and says whether it wrote."""
+    from ampkit._kernels import ops
+    from ampkit._kernels.fused_sgd_8bit import backups
+
+    n, first = 1000, 100
+    ref = tensors(n, first)
+    got = [t.clone() for t in ref]
+    for new in (True, False):
+        assert step_(*ref, HYPERS[1], new, 7, 3, 2, first, lib=lib)
+        assert ops.sgd_8bit_step_(*got, HYPERS[1], new, 7, 3, 2, first, backups([(n, span(n, first))], {})[0])
+    assert same(ref, got)
+    got[2][5] = NAN_INT8
+    assert not ops.sgd_8bit_step_(*got, HYPERS[1], False, 7, 4, 2, first, backups([(n, span(n, first))], {})[0])
