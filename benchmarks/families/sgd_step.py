@@ -110,7 +110,8 @@ def run(cfg, device, args, log) -> dict:
         rows = [row for kind in MODELS for row in bench_model(kind, size, device, log)]
     return {"mlp": f"3072-{size['hidden']}-{size['hidden']}-10, batch {size['batch']}",
             "cnn": f"ConvNet(width={size['width']}), batch {size['batch']}x3x32x32", "rounds": size["rounds"],
-            "threads": args.threads, "sizes": sizes, "optimizer": str(SGD), "rows": rows}
+            "threads": args.threads, "sizes": sizes, "optimizer": f"SGD({', '.join(f'{k}={v}' for k, v in SGD.items())})",
+            "rows": rows}
 
 
 def report(result: dict) -> list:

@@ -121,7 +121,7 @@ def alternate(optimizer: str, loops: dict, n: int, steps: int, x, device, log) -
     times = {name: [] for name in order}
     for i in range(steps + 2):
         for name in order if i % 2 == 0 else order[::-1]:
-            t = probes[name]() if name in probes else one_step(loops[name][0], *loops[name][1:], x, device)
+            t = probes[name]() if name in probes else one_step(*loops[name], x, device)
             if i >= 2:
                 times[name].append(t)
         log(f"{optimizer}: step {i + 1}/{steps + 2}" + (" (warm-up)" if i < 2 else ""))
