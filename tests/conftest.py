@@ -16,10 +16,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # a module all its tests, "module.py::test_name" one test (all its parameters).
 NUMERICS = (
     "kernels/test_blockquant.py", "model/test_casting.py", "kernels/test_compiled_update.py", "kernels/test_fused_adamw_8bit.py",
-    "kernels/test_fused_masters.py", "kernels/test_sgd_8bit.py", "kernels/test_ieee.py", "kernels/test_remainder.py", "benchmarks/test_remainder_simulation.py", "kernels/test_rounding.py",
+    "kernels/test_fused_masters.py", "kernels/test_sgd_8bit.py", "kernels/test_fused_sgd.py", "kernels/test_ieee.py", "kernels/test_remainder.py", "benchmarks/test_remainder_simulation.py", "kernels/test_rounding.py",
     "kernels/test_unscale.py", "run/test_scaler.py",
     "model/test_apex_lists.py", "model/test_copies.py", "loop/test_dropped_batches.py",
-    "model/test_float8.py", "update/test_fused_update.py", "update/test_fused_update_8bit.py",
+    "model/test_float8.py", "update/test_fused_update.py", "update/test_fused_sgd_update.py", "update/test_fused_update_8bit.py",
     "optim/test_grad_kinds.py", "optim/test_master_weights.py", "loop/test_multi_loss.py",
     "model/test_recurrent.py", "update/test_remainder_masters.py", "update/test_shared_blocks.py",
     "update/test_state_8bit.py", "update/test_rounded_update.py",
