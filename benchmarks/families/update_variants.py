@@ -68,14 +68,14 @@ ADAMW = {  # moved: O5's fused row counts the widening into fp32 master gradient
                            "torchao AdamW8bit SR": 4 + 2 + 4, "optimi AdamW Kahan": 4 + 2 + 8 + 4, "bnb AdamW8bit": 4 + 2 + 4}),
 }
 
-SGD = {  # one momentum buffer: 8 B read and written in fp32, 4 in bf16, 2 in 8 bits
-    "O5": Variant("O5", {}, True, 2 + 8 + 8 + 2),
+SGD = {  # one momentum buffer: 8 B read and written in fp32, 4 in bf16, 2 in 8 bits; moved: as AdamW's
+    "O5": Variant("O5", {}, True, 2 + 8 + 8 + 2, 6 + 22),  # _update/fused_sgd_update.py's one pass
     "O5 eager": Variant("O5", {}, False, 2 + 8 + 8 + 2),
     "remainder": Variant("O5", REMAINDER, True, 6 + 4 + 8),
     "remainder eager": Variant("O5", REMAINDER, False, 6 + 4 + 8),
-    "O7 fused": Variant("O7", {}, True, 4 + 2 + 8),
+    "O7 fused": Variant("O7", {}, True, 4 + 2 + 8, 2 + 4 + 2 + 8),
     "O7 eager": Variant("O7", {}, False, 4 + 2 + 8),
-    "O7 bf16 state fused": Variant("O7", BF16_STATE, True, 4 + 2 + 4),
+    "O7 bf16 state fused": Variant("O7", BF16_STATE, True, 4 + 2 + 4, 2 + 4 + 2 + 4),
     "O7 bf16 state eager": Variant("O7", BF16_STATE, False, 4 + 2 + 4),
     "O8": Variant("O8", {}, True, 4 + 2 + 2),
     "O8 eager": Variant("O8", {}, False, 4 + 2 + 2),
