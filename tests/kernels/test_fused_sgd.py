@@ -143,3 +143,26 @@ def test_the_declared_ops_give_the_kernels_bits(kind, state):
     (ops.sgd_master_step_ if kind == "master" else
      lambda *a: ops.sgd_step_(*a[:5], 1234, 0, 5, 17))(*none, None, Hyper(0.05, 0.0, 0.0, 0.0, False, False), False)
     assert not torch.equal(none[0], ref[0])
+
+
+@pytest.mark.parametrize("kind, state", KINDS)
+def test_the_declared_ops_compile_into_one_graph_with_the_eager_bits(lib, kind, state):
+    """``fullgraph=True`` (``aot_eager``): the ops trace (their fakes); three compiled steps, the
+    first making the buffer, equal three eager ones."""
+    from ampkit._kernels import ops
+    hyper = Hyper(0.05, 0.9, 0.0, 0.01, True, False)
+
+    def step(w, grad, buf, extra, rstep):
+        if kind == "master":
+            ops.sgd_master_step_(w, grad, buf, hyper, rstep == 0, extra)
+        else:
+            ops.sgd_step_(w, grad, buf, hyper, rstep == 0, 1234, rstep, 5, 17)
+
+    base = tensors(1023, hyper, state) + [torch.empty(1023, dtype=torch.bfloat16)]
+    runs = [base, clone(base)]
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for rstep in range(3):
+        step(*runs[0], rstep)
+        compiled(*runs[1], rstep)
+    assert same(*runs) and not torch.equal(runs[1][0], tensors(1023, hyper, state)[0])
