@@ -1,5 +1,5 @@
 /* O5's float32 masters and remainder masters (_kernels/fused_masters.py). */
-#include "common.h"
+#include "remainder.h"
 
 /* The arithmetic of _kernels/fused_adamw.py on a float32 master P with a float32 gradient G;
    c as there; l2 != 0 adds Adam's L2 term (a select, so the loop stays vectorized). The
@@ -35,50 +35,30 @@ void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w
     EACH_RANGE(n, lo, hi, adamw_master_range(x + lo, grad + lo, ms + lo, vs + lo, w ? w + lo : NULL, hi - lo, c);)
 }
 
-#define RBLOCK 512
-static int64_t first_at_least(const int64_t *t, int64_t n, int64_t key) {
-    int64_t lo = 0, hi = n;
-    while (lo < hi) { int64_t mid = lo + (hi - lo) / 2; if (t[mid] < key) lo = mid + 1; else hi = mid; }
-    return lo;
-}
+/* One remainder master's step: its float32 bits B stepped into x.f[J] (m, v of element I written). */
+#define REMAINDER_STEP(I, J, B) {                                                                 \
+        float p, g = widen(grad[I]), m = ms[I], v = vs[I];                                        \
+        const uint32_t b_ = (B); memcpy(&p, &b_, 4);                                              \
+        MASTER_STEP(p, g, m, v)                                                                   \
+        ms[I] = m; vs[I] = v; x.f[J] = p; }
 
-/* Remainder masters (_kernels/remainder.py): elements [first, first + n) of one tensor; the master is
-   combined from (w, r, its ascending side table), stepped, and split back; the new table's entries
-   of this range go to found (at most cap; the call stops before a block that might not fit there).
-   Returns the elements done, n unless found filled up. */
+/* Remainder masters (remainder.h): elements [first, first + n) of one tensor; each block's masters are combined
+   from (w, r, the ascending side table), stepped (in one loop with the combine where the table lists none of the
+   block) and split back; the new table's entries of this range go to found (at most cap; the call stops before a
+   block that might not fit there). Returns the elements done, n unless found filled up. */
 static int64_t adamw_remainder_range(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad, float *restrict ms,
                         float *restrict vs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
                         int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const float *restrict c) {
     const int l2 = c[1] != 0.0f;
     int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;
-    union { float f[RBLOCK]; uint32_t u[RBLOCK]; } x;
+    rblock x;
     for (; lo < n && cap - k >= RBLOCK; lo += RBLOCK) {
         const int64_t len = n - lo < RBLOCK ? n - lo : RBLOCK;
-        for (int64_t j = 0; j < len; j++) {  /* combine: code 32767 of an even w is d = +32768 */
-            uint32_t b = ((uint32_t)w[lo + j] << 16) + (uint32_t)(int32_t)r[lo + j];
-            x.u[j] = b + ((b & 0x1FFFFu) == 0x7FFFu);
-        }
-        for (; t < ntable && table[t] < first + lo + len; t++) {  /* listed: code 32766 of an even w is d = +32767 */
-            const int64_t j = table[t] - first - lo;
-            x.u[j] += (x.u[j] & 0x1FFFFu) == 0x7FFEu;
-        }
-        for (int64_t j = 0; j < len; j++) {
-            float p = x.f[j], g = widen(grad[lo + j]), m = ms[lo + j], v = vs[lo + j];
-            MASTER_STEP(p, g, m, v)
-            ms[lo + j] = m; vs[lo + j] = v; x.f[j] = p;
-        }
-        uint32_t any = 0;
-        for (int64_t j = 0; j < len; j++) {  /* split */
-            const uint32_t b = x.u[j], moved = ((b + 1u) & 0x1FFFEu) == 0x8000u;
-            w[lo + j] = rne_bf16(b);
-            r[lo + j] = (int16_t)(uint16_t)(b - moved);
-            any |= moved;
-        }
-        if (any)
-            for (int64_t j = 0; j < len; j++) {
-                const uint32_t b = x.u[j];
-                if ((b & 0x1FFFFu) == 0x7FFFu && (b & 0x7FFFFFFFu) < 0x7F800000u) found[k++] = first + lo + j;
-            }
+        if (combine_listed(w + lo, r + lo, len, first + lo, table, ntable, &t, x.u))
+            for (int64_t j = 0; j < len; j++) REMAINDER_STEP(lo + j, j, x.u[j])
+        else
+            for (int64_t j = 0; j < len; j++) REMAINDER_STEP(lo + j, j, combined(w[lo + j], r[lo + j]))
+        k += split_block(w + lo, r + lo, x.u, len, first + lo, found + k);
     }
     *nfound = k;
     return lo < n ? lo : n;
