@@ -17,6 +17,9 @@ __all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_",
            "sgd_8bit_step_"]
 
 
+_NO_TABLE = torch.empty(0, dtype=torch.int64)  # the op's argument for a CPU remainder without a table (only read)
+
+
 def _hyper(hyper: list, flags: list, count: torch.Tensor) -> Hyper:
     return Hyper(*hyper, *flags, count.item())
 
@@ -67,9 +70,7 @@ def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tenso
     """The remainder masters' step (`fused_masters.step_remainder_`) of ``(w, r)`` with ``r``'s
     side table ``table``; returns the new side table (a tensor argument and result, not ``r``'s
     attribute: a traced op may be handed copies of its arguments)."""
-    set_side_table(r, table)
-    fused_masters.step_remainder_(w, r, grad, m, v, _hyper(hyper, flags, count), native.library())
-    return side_table(r)
+    return fused_masters.step_remainder_table_(w, r, grad, m, v, _hyper(hyper, flags, count), table, native.library())
 
 
 def _remainder_fake(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tensor:
@@ -156,7 +157,9 @@ def master_step_(x, grad, m, v, hyper: Hyper, count: torch.Tensor, w: Optional[t
 
 def remainder_step_(w, r, grad, m, v, hyper: Hyper, count: torch.Tensor) -> None:
     """`fused_masters.step_remainder_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
-    set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, side_table(r), count, *_values(hyper)))
+    table = side_table(r, _NO_TABLE if r.device.type == "cpu" else None)
+    set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, table, count, *_values(hyper)))
+
 
 
 def adamw_8bit_step_(w, grad, mq, ms, vq, vs, hyper: Hyper, count: torch.Tensor, cap: float, seed: int, step: int,
