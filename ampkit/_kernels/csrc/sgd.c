@@ -8,9 +8,10 @@
 /* O5: master x, its float32 grad, buffer bufs (NULL in mode NO_BUFFER); w (NULL for none): x rounded to nearest even */
 INLINE void master_range(float *restrict x, const float *restrict grad, float *restrict bufs, uint16_t *restrict w,
                          int64_t n, const int mode, int flags, const float *restrict c) {
+    const float k[4] = {c[0], c[1], c[2], c[3]};  /* a local copy: read unconditionally, the loops stay vectorized */
     for (int64_t i = 0; i < n; i++) {
         float b = mode == BUFFER ? bufs[i] : 0.0f;
-        const float p = sgd_step(x[i], grad[i], &b, mode, flags, c);
+        const float p = sgd_step(x[i], grad[i], &b, mode, flags, k);
         x[i] = p;
         if (mode != NO_BUFFER) bufs[i] = b;
         if (w) w[i] = rne_bf16(bits32(p));
@@ -36,10 +37,11 @@ void sgd_master(float *x, const float *grad, float *bufs, uint16_t *w, int64_t n
     INLINE void loop_##BUF_T(uint16_t *restrict w, const uint16_t *restrict grad, BUF_T *restrict bufs,      \
                              int64_t n, int64_t first, uint64_t key0, const int mode, int flags,             \
                              const float *restrict c) {                                                      \
+        const float k[4] = {c[0], c[1], c[2], c[3]};                                                         \
         for (int64_t i = 0; i < n; i++) {                                                                    \
             const uint64_t a = word(key0, first + i);                                                        \
             float b = mode == BUFFER ? LOAD : 0.0f;                                                          \
-            const float p = sgd_step(widen(w[i]), widen(grad[i]), &b, mode, flags, c);                       \
+            const float p = sgd_step(widen(w[i]), widen(grad[i]), &b, mode, flags, k);                       \
             w[i] = narrow(p, a & 0xFFFF);                                                                    \
             if (mode != NO_BUFFER) STORE;                                                                    \
         }                                                                                                    \
