@@ -2,7 +2,8 @@
 
 The elementwise state is stored as 8-bit codes with per-block scales (``state_8bit.py``),
 widened to float32 for each chunk's step and packed again after it. A plain AdamW / Adam on
-CPU steps its bf16 parameters in O8's one-pass kernel (``fused_update_8bit.py``) inside the
+CPU steps its bf16 parameters in O8's one-pass kernel (``fused_update_8bit.py``; an exact
+``torch.optim.SGD`` with momentum in ``fused_sgd_update_8bit.py``) inside the
 same chunks. A chunk whose update would write a non-finite weight writes nothing: its weights,
 float32 parameters and state stay, and the step is reported skipped. Design notes:
 docs/design/update-engine.md.
@@ -14,7 +15,7 @@ import torch
 
 from .._config.levels import HALF_DTYPES
 from .._run.overflow import all_ranks_max, parameter_names
-from . import fused_update, fused_update_8bit, state_8bit
+from . import fused_sgd_update_8bit, fused_update, fused_update_8bit, state_8bit
 from .chunks import ChunkedUpdate, group_settings, restore_group_settings
 from .shards import local
 
@@ -37,9 +38,12 @@ class EightBitUpdate(ChunkedUpdate):
         return [], slots
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether ``p`` steps in O8's fused AdamW."""
-        return (self.fused_on and self.stochastic
-                and fused_update_8bit.eligible(self.optimizer, group, p, grad))
+        """Whether ``p`` steps in O8's fused AdamW or SGD."""
+        return self.fused_on and self.stochastic and self._fused().eligible(self.optimizer, group, p, grad)
+
+    def _fused(self):
+        """The fused step's module: O8's SGD for an exact ``torch.optim.SGD``, else O8's AdamW."""
+        return fused_sgd_update_8bit if fused_sgd_update_8bit.is_sgd(self.optimizer) else fused_update_8bit
 
     def _optimizer_slots(self, chunk) -> list:
         return [s for s in chunk if id(s[2]) not in self.quick]
@@ -50,8 +54,7 @@ class EightBitUpdate(ChunkedUpdate):
         mine = [(g, p) for g, _, p in chunk if id(p) in self.quick]
         if not mine:
             return chunk, None
-        undo = fused_update_8bit.step(self.optimizer, mine, grads, self.rounder, self.ids, self._skip_fused,
-                                      self.scratch)
+        undo = self._fused().step(self.optimizer, mine, grads, self.rounder, self.ids, self._skip_fused, self.scratch)
         if undo is None:
             self.skipped_chunks += 1
             return [], None

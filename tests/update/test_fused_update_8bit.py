@@ -1,4 +1,4 @@
-"""O8's fused AdamW: it stores what ``state_8bit`` packs from fused_adamw's arithmetic, the
+"""O8's fused AdamW and SGD: they store what ``state_8bit`` packs from their arithmetic, the
 kernel and the eager reference agree bit for bit through training (skipped steps, resume,
 odd sizes, a non-contiguous parameter), chunks with a non-finite weight write nothing on
 either path, and the per-element Adam bound holds."""
@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit._kernels import blockquant, native
+from ampkit._kernels import blockquant, fused_sgd, native
 from ampkit._kernels.fused_adamw import Hyper, arithmetic
 from ampkit._run.registry import current as current_run
 from ampkit._kernels.rounding import StochasticRounder, round_counter_
-from ampkit._update import chunks, fused_update_8bit, state_8bit
+from ampkit._update import chunks, fused_sgd_update_8bit, fused_update_8bit, state_8bit
 from tests.update.test_fused_update import ADAMS, batches, make_model, train
 from tests.update.test_state_8bit import (_dot_model, adam_constant, adam_state_bound, assert_state_within_bounds,
                                            one_large_gradient_per_block, raw_state, train_on)
@@ -260,3 +260,89 @@ def test_a_checkpoint_saved_before_the_draws_changed_resumes(lib, monkeypatch):
         assert not torch.equal(before[1], model.a.weight.detach())
         runs.append(snapshot(model, opt))
     assert same(*runs)
+
+
+SGDS = {"momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=5e-4),
+        "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, nesterov=True, maximize=True),
+        "dampening": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.7, dampening=0.25, weight_decay=1e-2)}
+
+
+def o8_sgd(kind, model=None):
+    model = model or make_model()
+    return ampkit.initialize(model, SGDS[kind](model.parameters()), opt_level="O8", verbosity=0)
+
+
+@pytest.mark.parametrize("kind", list(SGDS))
+def test_sgd_steps_in_its_kernel_and_stores_what_state_8bit_packs(lib, monkeypatch, kind):
+    """Three SGD steps of a 1000-element parameter; the third again from the state before it,
+    widened by ``state_8bit``, stepped by ``fused_sgd.arithmetic``, the weight rounded with
+    stream 0 and the buffer packed by ``state_8bit.pack``: the fused step's weight, codes and
+    scales, bit for bit (the first step made the buffer as torch's does)."""
+    model, opt = o8_sgd(kind, _dot_model(1000))
+    x = spanning_decades(1000, 6)
+    seen, calls, inner = {}, calls_of_own_step(opt), fused_sgd_update_8bit.step
+    monkeypatch.setattr(fused_sgd_update_8bit, "step", lambda o, chunk, grads, *a: seen.update(grads) or inner(o, chunk, grads, *a))
+    for _ in range(2):
+        train_on(model, opt, x)
+    p = model.w
+    st, w = {k: v.clone() for k, v in opt.state[p].items()}, p.detach().clone()
+    assert set(st) == {"momentum_buffer.codes", "momentum_buffer.scales"} and st["momentum_buffer.codes"].dtype == torch.int8
+    seed, step = current_run("test").rounder.seed, current_run("test").rounder.step
+    train_on(model, opt, x)
+    assert not calls and p in seen
+
+    state_8bit.widen(state_8bit.held({p: st}, [p]))
+    new_w, st["momentum_buffer"] = fused_sgd.arithmetic(w, seen[p], st["momentum_buffer"],
+                                                        fused_sgd_update_8bit.hyper(opt.param_groups[0]), False)
+    round_counter_(w, new_w, seed, step, 0, 0, 0)
+    rounder = StochasticRounder(seed)
+    rounder.step = step
+    state_8bit.pack([(st, p)], {}, opt, rounder, {p: 0})
+    assert torch.equal(bits(w), bits(p.detach())) and st.keys() == opt.state[p].keys()
+    assert all(torch.equal(bits(st[k]), bits(opt.state[p][k])) for k in st)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+@pytest.mark.parametrize("kind", list(SGDS))
+def test_sgd_with_the_kernel_equals_the_eager_reference_through_a_skip_and_a_resume(lib, monkeypatch, tmp_path, kind):
+    """As the AdamW test above, with SGD's 8-bit momentum buffer: four steps with a skipped one,
+    saved (the buffer widened to float32, torch's format), two more and after a load into a fresh
+    run: kernel and eager reference bit for bit, the resumed run the uninterrupted one."""
+    data = batches(6)
+    runs = {}
+    for path in ("kernel", "eager"):
+        monkeypatch.setattr(native, "_state", {} if path == "kernel" else {"lib": None})
+        model, opt = o8_sgd(kind)
+        calls = calls_of_own_step(opt)
+        train(model, opt, data[:4], poison=(1,))
+        assert not calls and current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounder.step == 3
+        saved = opt.state_dict()
+        assert saved["state"][1]["momentum_buffer"].dtype == torch.float32
+        torch.save({"model": model.state_dict(), "optimizer": saved, "amp": ampkit.state_dict(optimizer=opt)},
+                   tmp_path / f"{path}.pt")
+        middle = snapshot(model, opt)
+        train(model, opt, data[4:])
+        resumed, resumed_opt = o8_sgd(kind)
+        ckpt = torch.load(tmp_path / f"{path}.pt")
+        resumed.load_state_dict(ckpt["model"])
+        resumed_opt.load_state_dict(ckpt["optimizer"])
+        ampkit.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
+        loaded = resumed_opt.state_dict()["state"]
+        assert all(torch.equal(bits(v), bits(loaded[i][k])) for i, st in saved["state"].items() for k, v in st.items())
+        train(resumed, resumed_opt, data[4:])
+        runs[path] = middle, snapshot(model, opt), snapshot(resumed, resumed_opt)
+        assert same(runs[path][1], runs[path][2])
+    assert all(same(a, b) for a, b in zip(runs["kernel"], runs["eager"]))
+    assert not same(runs["kernel"][0], runs["kernel"][1])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
+def test_sgd_a_chunk_with_a_non_finite_weight_writes_nothing(lib):
+    """A NaN buffer code makes a new weight NaN: the step is skipped, weights and buffers keep their bits."""
+    model, opt = o8_sgd("momentum")
+    data = batches(3)
+    train(model, opt, data[:2])
+    opt.state[model.a.weight]["momentum_buffer.codes"][0, 0] = -128
+    before = snapshot(model, opt)
+    train(model, opt, data[2:])
+    assert ampkit.step_was_skipped(opt) and same(before, snapshot(model, opt))

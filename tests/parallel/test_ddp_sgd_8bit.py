@@ -1,0 +1,69 @@
+"""O8 with ``torch.optim.SGD`` momentum (its 8-bit buffer stepped by the fused kernel) under DDP on 2
+gloo ranks against one process over the same batches: the ranks hold bit-identical weights and
+buffers, equal to the one process's up to the gradients' summation order."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit
+from ampkit.parallel import DistributedDataParallel
+
+from ._launch import run
+from ._models import micro_batches
+
+STEPS, PER_RANK = 4, 4
+OPTIONS = {"momentum": dict(momentum=0.9, weight_decay=5e-4), "nesterov": dict(momentum=0.8, nesterov=True)}
+HALF_CLOSE = dict(rtol=2e-2, atol=2e-2)  # bf16 weights: a rounding apart where a gradient's last bit differs
+
+
+def _build(kind):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 300), nn.Tanh(), nn.Linear(300, 3))  # 1200 weights: several blocks of 256
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, **OPTIONS[kind])
+    return ampkit.initialize(net, opt, opt_level="O8", verbosity=0, max_loss_scale=2.0**10)
+
+
+def _train(model, opt, data, ddp=None):
+    for step in data:
+        (x, y), = step
+        opt.zero_grad()
+        with ampkit.scale_loss(F.mse_loss((ddp or model)(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+
+
+def _worker(rank, world_size):
+    from ampkit._update import fused_sgd_update_8bit
+
+    calls, inner = [], fused_sgd_update_8bit.step
+    fused_sgd_update_8bit.step = lambda *a: calls.append(1) or inner(*a)
+    out = {}
+    for kind in OPTIONS:
+        model, opt = _build(kind)
+        out[kind] = _train(model, opt, micro_batches(STEPS, 1, PER_RANK, rank), DistributedDataParallel(model))
+    out["fused calls"] = len(calls)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run(_worker, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(OPTIONS))
+def test_two_ranks_agree_bit_for_bit_and_match_one_process(ranks, kind):
+    model, opt = _build(kind)
+    weights, states = _train(model, opt, micro_batches(STEPS, 1, PER_RANK))
+    (wa, sa), (wb, sb) = ranks[0][kind], ranks[1][kind]
+    assert ranks[0]["fused calls"] == ranks[1]["fused calls"] == STEPS * len(OPTIONS)  # O8's SGD kernel stepped
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb))
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(sa, sb))
+    for got, want, state in zip(wa, weights, sa):
+        assert got.dtype == torch.bfloat16 and set(state) == {"momentum_buffer.codes", "momentum_buffer.scales"}
+        assert state["momentum_buffer.codes"].dtype == torch.int8
+        torch.testing.assert_close(got.float(), want.float(), **HALF_CLOSE)
+    assert any(not torch.equal(a, b) for a, b in zip(wa, _build(kind)[0].parameters()))  # it trained
