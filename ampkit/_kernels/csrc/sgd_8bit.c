@@ -12,14 +12,14 @@ INLINE void sgd_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, 
                            const float *restrict c, uint16_t *restrict bw, int8_t *restrict bb, int64_t *restrict bad) {
     float mb[Q8_BLOCK];
     uint32_t lo[Q8_BLOCK], hi[Q8_BLOCK];
-    const float s = *bs;
+    const float s = *bs, h[4] = {c[0], c[1], c[2], c[3]};  /* a local copy, read unconditionally: the loop vectorizes */
     uint32_t nbad = 0;
     q8_words(lo, hi, key, first, k);
     for (int j = 0; j < k; j++) {
         int8_t q = bq[j]; uint16_t wj = w[j];
         bw[j] = wj; bb[j] = q;
         float b = mode == BUFFER ? (q == -128 ? NAN : (float)q * s) : 0.0f;
-        const float p = sgd_step(widen(wj), widen(grad[j]), &b, mode, flags, c);
+        const float p = sgd_step(widen(wj), widen(grad[j]), &b, mode, flags, h);
         nbad |= !isfinite(p);
         w[j] = narrow(p, lo[j] & 0xFFFF);
         mb[j] = b;
