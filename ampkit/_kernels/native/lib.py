@@ -25,6 +25,8 @@ SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csr
     "sgd_bf16_state": (None, (DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, c_int)),
     "sgd_8bit": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, DATA, DATA, DATA, COUNTS,
                         c_int)),
+    "sgd_remainder": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS, COUNTS, c_int,
+                             c_int, CONSTS, c_int)),
     "any_nonfinite": (c_int, (DATA, c_int64, c_int, c_uint32, c_int)),
     "widen_scaled": (c_int, (DATA, DATA, c_int64, c_int, c_float, c_int)),
 }

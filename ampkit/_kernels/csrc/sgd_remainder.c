@@ -1,0 +1,54 @@
+/* SGD with momentum on remainder masters in one pass (_kernels/fused_sgd_remainder.py): each block's masters are
+   combined from (w, r, the side table), stepped with torch.optim.SGD's arithmetic (sgd.h) and split back (remainder.h). */
+#include "remainder.h"
+#include "sgd.h"
+
+/* Elements [first, first + n) of one tensor, the buffer mode a constant of each loop (always_inline'd three times);
+   bufs NULL in mode NO_BUFFER. The new table's entries go to found (at most cap; the call stops before a block that
+   might not fit there). Returns the elements done, n unless found filled up. */
+INLINE int64_t range_in_mode(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad,
+                             float *restrict bufs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
+                             int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const int mode, int flags,
+                             const float *restrict c) {
+    int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;
+    rblock x;
+#define STEP(I, J, B) {                                                                          \
+        float p, b = mode == BUFFER ? bufs[I] : 0.0f;                                            \
+        const uint32_t u_ = (B); memcpy(&p, &u_, 4);                                             \
+        x.f[J] = sgd_step(p, widen(grad[I]), &b, mode, flags, c);                                \
+        if (mode != NO_BUFFER) bufs[I] = b; }
+    for (; lo < n && cap - k >= RBLOCK; lo += RBLOCK) {
+        const int64_t len = n - lo < RBLOCK ? n - lo : RBLOCK;
+        if (combine_listed(w + lo, r + lo, len, first + lo, table, ntable, &t, x.u))
+            for (int64_t j = 0; j < len; j++) STEP(lo + j, j, x.u[j])
+        else
+            for (int64_t j = 0; j < len; j++) STEP(lo + j, j, combined(w[lo + j], r[lo + j]))
+        k += split_block(w + lo, r + lo, x.u, len, first + lo, found + k);
+    }
+#undef STEP
+    *nfound = k;
+    return lo < n ? lo : n;
+}
+
+static int64_t sgd_remainder_range(uint16_t *w, int16_t *r, const uint16_t *grad, float *bufs, int64_t n, int64_t first,
+                                   const int64_t *table, int64_t ntable, int64_t *found, int64_t cap, int64_t *nfound,
+                                   int mode, int flags, const float *c) {
+#define ARGS w, r, grad, bufs, n, first, table, ntable, found, cap, nfound
+    switch (mode) {
+        case NO_BUFFER: return range_in_mode(ARGS, NO_BUFFER, flags, c);
+        case NEW_BUFFER: return range_in_mode(ARGS, NEW_BUFFER, flags, c);
+        default: return range_in_mode(ARGS, BUFFER, flags, c);
+    }
+#undef ARGS
+}
+
+/* sgd_remainder_range over elements [first, first + n) of one tensor in `threads` ranges: range t's entries go to
+   found + t * cap (nfound[t] of them), done[t] its elements done (less than its length if found filled up: the
+   caller goes on from there, in the same mode). */
+void sgd_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *bufs, int64_t n, int64_t first,
+                   const int64_t *table, int64_t ntable, int64_t *found, int64_t cap, int64_t *nfound, int64_t *done,
+                   int mode, int flags, const float *c, int threads) {
+    EACH_RANGE(n, lo, hi, done[t_] = sgd_remainder_range(w + lo, r + lo, grad + lo, bufs ? bufs + lo : NULL, hi - lo,
+                                                         first + lo, table, ntable, found + t_ * cap, cap, nfound + t_,
+                                                         mode, flags, c);)
+}
