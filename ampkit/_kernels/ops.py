@@ -8,13 +8,13 @@ from typing import Optional
 
 import torch
 
-from . import fused_adamw, fused_adamw_8bit, fused_masters, fused_sgd, fused_sgd_8bit, native
+from . import fused_adamw, fused_adamw_8bit, fused_masters, fused_sgd, fused_sgd_8bit, fused_sgd_remainder, native
 from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
 __all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_", "sgd_step_", "sgd_master_step_",
-           "sgd_8bit_step_"]
+           "sgd_remainder_step_", "sgd_8bit_step_"]
 
 
 _NO_TABLE = torch.empty(0, dtype=torch.int64)  # the op's argument for a CPU remainder without a table (only read)
@@ -126,6 +126,19 @@ _declare("sgd_master(Tensor(a!) x, Tensor grad, Tensor(b!)? buf, Tensor(c!)? w, 
          sgd_master, lambda x, grad, buf, w, hyper, flags, new: None)
 
 
+def sgd_remainder(w, r, grad, buf, table, hyper, flags, new) -> torch.Tensor:
+    """The remainder masters' SGD step (`fused_sgd_remainder.step_table_`) of ``(w, r)`` with
+    ``r``'s side table ``table`` (``buf`` as `sgd_bf16`'s); returns the new side table (as
+    `adamw_remainder`)."""
+    return fused_sgd_remainder.step_table_(w, r, grad, buf, _sgd(hyper, flags), new, table, native.library())
+
+
+_declare("sgd_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!)? buf, Tensor table, float[] hyper, "
+         "bool[] flags, bool new) -> Tensor",
+         sgd_remainder, lambda w, r, grad, buf, table, hyper, flags, new: _remainder_fake(w, r, grad, None, None, table,
+                                                                                          None, hyper, flags))
+
+
 def sgd_8bit(w, grad, bq, bs, backup, hyper, flags, new, seed, step, tensor, first) -> torch.Tensor:
     """O8's SGD step (`fused_sgd_8bit.step_`) with the buffer as codes ``bq`` and scales ``bs``;
     returns whether it wrote (a bool tensor: False on a non-finite new weight)."""
@@ -180,6 +193,12 @@ def sgd_step_(w, grad, buf, hyper: fused_sgd.Hyper, new: bool, seed: int, step: 
 def sgd_master_step_(x, grad, buf, hyper: fused_sgd.Hyper, new: bool, w: Optional[torch.Tensor] = None) -> None:
     """`fused_sgd.step_master_` of CPU tensors, as the op."""
     torch.ops.ampkit.sgd_master(x, grad, buf, w, *_sgd_values(hyper), new)
+
+
+def sgd_remainder_step_(w, r, grad, buf, hyper: fused_sgd.Hyper, new: bool) -> None:
+    """`fused_sgd_remainder.step_` of CPU tensors, as the op."""
+    table = side_table(r, _NO_TABLE if r.device.type == "cpu" else None)
+    set_side_table(r, torch.ops.ampkit.sgd_remainder(w, r, grad, buf, table, *_sgd_values(hyper), new))
 
 
 def sgd_8bit_step_(w, grad, bq, bs, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, first: int,

@@ -4,6 +4,8 @@
   momentum buffer read once; master, buffer and the bf16 model weight (to nearest even) written once.
 * O7 (`step`): the bf16 weight, its bf16 gradient and the float32 or bf16 buffer read once and
   written once, rounded stochastically with the chunked update's bits (weight stream 0, buffer 1).
+* Remainder masters (`step_remainders`): the bf16 weight, its int16 remainder and side table, the
+  bf16 gradient and the float32 buffer read and written once; the masters equal O5's fused ones.
 
 Eligible: an exact ``torch.optim.SGD`` (not a subclass; no ``differentiable`` or ``fused``) on CPU
 tensors with dense gradients. The arithmetic is torch's SGD with one rounding per operation:
@@ -108,3 +110,14 @@ def step_masters(optimizer, items) -> None:
         buf, new = _buffer(optimizer, group, m, torch.float32)
         with torch.no_grad():
             ops.sgd_master_step_(local(m), local(m.grad), None if buf is None else local(buf), h, new, local(p))
+
+
+def step_remainders(optimizer, params, grads: dict, remainders) -> None:
+    """One SGD step of each ``(group, p)`` of ``params`` (all `eligible` with a float32 buffer),
+    whose master is bf16 ``p`` with ``remainders[i]`` (``_kernels/fused_sgd_remainder.py``)."""
+    hypers = {}
+    for (group, p), r in zip(params, remainders):
+        h = hypers.setdefault(id(group), hyper(group))
+        buf, new = _buffer(optimizer, group, p, torch.float32)
+        with torch.no_grad():
+            ops.sgd_remainder_step_(local(p), r, local(grads[p]), None if buf is None else local(buf), h, new)

@@ -3,8 +3,9 @@
 Each bf16 parameter's fp32 master is the weight and its remainder (``_kernels/remainder.py``),
 kept in the model's state; there is no fp32 copy between steps. The optimizer steps on the
 exact masters rebuilt per chunk (`ChunkedUpdate`), which are split back into weight and
-remainder; a plain AdamW / Adam with float32 state steps them in one fused pass
-(``fused_update.step_remainders``), bit for bit O5's fused masters. Design notes:
+remainder; a plain AdamW / Adam with float32 state, or an exact SGD with a float32 momentum
+buffer, steps them in one fused pass (``fused_update.step_remainders``,
+``fused_sgd_update.step_remainders``), bit for bit O5's fused masters. Design notes:
 docs/design/update-engine.md.
 """
 from typing import List
@@ -12,7 +13,7 @@ from typing import List
 import torch
 
 from .._kernels.remainder import combine, remainder, split_
-from . import fused_update
+from . import fused_sgd_update, fused_update
 from .chunks import ChunkedUpdate
 from .shards import local, shard_of
 
@@ -35,12 +36,16 @@ class RemainderUpdate(ChunkedUpdate):
         super().attach()
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether ``p`` steps in the remainder masters' fused AdamW (float32 state)."""
-        return (self.fused_on and self.state_dtype in (None, torch.float32)
-                and fused_update.remainder_eligible(self.optimizer, group, p, grad))
+        """Whether ``p`` steps in the remainder masters' fused AdamW or SGD (float32 state)."""
+        if not self.fused_on or self.state_dtype not in (None, torch.float32):
+            return False
+        if fused_sgd_update.is_sgd(self.optimizer):
+            return fused_sgd_update.eligible(self.optimizer, group, p, grad, torch.float32)
+        return fused_update.remainder_eligible(self.optimizer, group, p, grad)
 
     def _step_fused(self, params, grads: dict) -> None:
-        fused_update.step_remainders(self.optimizer, params, grads, self._remainders([p for _, p in params]))
+        kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
+        kind.step_remainders(self.optimizer, params, grads, self._remainders([p for _, p in params]))
 
     def _widen(self, wide, srcs, half) -> None:
         """The gradients and state widened; the weights' copies are the exact fp32 masters
