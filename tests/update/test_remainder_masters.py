@@ -154,8 +154,11 @@ def resume(ckpt, opt_name):
     return model, opt
 
 
+# SGD: O5's masters step in the fused SGD kernel (one rounding per operation), remainder masters in
+# torch's SGD (whose AVX loops fuse a multiply and an add), so both take torch's step here.
 @pytest.mark.slow
-@pytest.mark.parametrize("opt_name,fused", [(name, "1") for name in LARGE_OPTIMIZERS] + [("adamw", "0")])
+@pytest.mark.parametrize("opt_name,fused", [(name, "0" if name == "sgd_momentum" else "1") for name in LARGE_OPTIMIZERS]
+                         + [("adamw", "0")])
 def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_step_and_a_resume(opt_name, fused,
                                                                                                  monkeypatch):
     """About 8 masters of a million sit where 16 bits cannot hold them at any step (with the 16
