@@ -155,3 +155,27 @@ def test_bad_arguments_are_refused_before_anything_is_written(lib):
     with pytest.raises(ValueError, match="one shape"):
         step_(w, r, grad, buf[:9], hyper, False, lib=lib)
     assert same([w, r, grad, buf], before)
+
+
+def test_the_declared_op_compiles_into_one_graph_with_the_eager_bits(lib):
+    """``fullgraph=True`` (``aot_eager``; the side table is the op's argument and result, a size
+    known only when it ran): five compiled steps, the first making the buffer, equal five eager
+    ones, tables included."""
+    from ampkit._kernels import ops
+    hyper = Hyper(0.05, 0.9, 0.0, 0.01, True, False)
+
+    def step(w, r, grad, buf, table, rstep):
+        return torch.ops.ampkit.sgd_remainder(w, r, grad, buf, table, *ops._sgd_values(hyper), rstep == 0)
+
+    x, grad, buf = masters(1000, hyper)
+    x.view(torch.int32)[::100] = x.view(torch.int32)[::100] & ~0x1FFFF | 0x07FFF  # listed in the side table
+    base = held(x, grad, buf) + [side_table(remainder(x)).clone()]
+    assert base[4].numel() == 10
+    runs = [base, [t.clone() for t in base]]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for rstep in range(5):
+            for run, fn in zip(runs, (step, compiled)):
+                run[4] = fn(*run, rstep)
+    assert same(*runs) and not torch.equal(runs[1][0], x.bfloat16())

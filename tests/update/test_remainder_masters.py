@@ -211,6 +211,71 @@ def test_each_side_table_owns_its_entries_twelve_bytes_a_parameter_and_eight_an_
     assert fp["masters"] == 2 * params + 8 * entries and fp["optimizer_state"] - fp["optimizer_scalars"] == 8 * params
 
 
+SGD_GROUPS = {
+    "momentum": dict(lr=2**-6, momentum=0.5),
+    "nesterov_decay": dict(lr=2**-6, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "dampening_maximize": dict(lr=2**-6, momentum=0.9, dampening=0.1, maximize=True),
+    "no_momentum": dict(lr=2**-6),
+}
+
+
+@pytest.mark.parametrize("kw", list(SGD_GROUPS.values()), ids=list(SGD_GROUPS))
+def test_sgd_steps_fused_keeps_torchs_buffer_and_o5s_bits(kw, monkeypatch):
+    """An exact ``torch.optim.SGD`` steps remainder masters in the fused pass, every step but the
+    skipped one; its state is torch's (a float32 ``momentum_buffer`` keyed by the parameter, none
+    at momentum 0); weights, masters and buffers equal O5's (its fused SGD masters) bit for bit."""
+    from ampkit._update import fused_sgd_update
+    calls, real = [], fused_sgd_update.step_remainders
+    monkeypatch.setattr(fused_sgd_update, "step_remainders", lambda *a: (calls.append(1), real(*a))[1])
+    runs = {}
+    for mw in (True, "remainder"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        runs[mw] = ampkit.initialize(model, torch.optim.SGD(model.parameters(), **kw), opt_level="O5",
+                                     master_weights=mw, verbosity=0)
+    a, b = (train(*runs[mw], batches(30), poison_at={7}) for mw in (True, "remainder"))
+    assert len(calls) == 29 and a[0][:7] == b[0][:7] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    (ref_model, ref_opt), (model, opt) = runs[True], runs["remainder"]
+    assert all(same_bits(x, y) for x, y in zip(masters_of(ref_model, ref_opt), masters_of(model, opt)))
+    for m, p in zip(ampkit.master_params(ref_opt), model.parameters()):
+        state = opt.state[p]
+        if kw.get("momentum", 0) == 0:
+            assert state == ref_opt.state[m] == {}
+            continue
+        assert list(state) == ["momentum_buffer"] and state["momentum_buffer"].dtype == torch.float32
+        assert same_bits(state["momentum_buffer"], ref_opt.state[m]["momentum_buffer"])
+
+
+def snapshot(model, opt):
+    """Weights, remainders and side tables (as bits), and the optimizer's state (cloned)."""
+    rs = model._ampkit.remainders
+    return ([p.detach().view(torch.int16).clone() for p in model.parameters()],
+            [rs[p].clone() for p in model.parameters()], [side_table(rs[p]).clone() for p in model.parameters()],
+            [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in model.parameters()])
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+def test_a_skipped_step_leaves_weights_remainders_tables_and_state_untouched(opt_name):
+    """An overflowing step on a million parameters, with side tables in use, changes nothing:
+    weights, remainders, tables and optimizer state stay bit for bit; the next step moves them."""
+    model, opt = build_large("remainder", opt_name)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 256, generator=g), torch.randn(8, 16, generator=g)) for _ in range(4)]
+    for x, y in data[:3]:
+        large_step(model, opt, x, y)
+    before = snapshot(model, opt)
+    assert sum(t.numel() for t in before[2]) > 0
+    large_step(model, opt, *data[3], poison=True)
+    assert ampkit.loss_scalers(opt)[0].skipped_steps == 1
+    after = snapshot(model, opt)
+    for got, want in zip(after[:3], before[:3]):
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    for got, want in zip(after[3], before[3]):
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    large_step(model, opt, *data[3])
+    assert not all(torch.equal(x, y) for x, y in zip(snapshot(model, opt)[0], before[0]))
+
+
 def test_loaded_masters_16_bits_cannot_hold_are_kept_counted_and_saved_exactly(tmp_path):
     """A checkpoint's fp32 masters load exactly, those 16 bits cannot hold into the side tables:
     ``state_dict`` (and ``ampkit.checkpoint`` into a fresh run) gives them back bit for bit, the
