@@ -71,7 +71,7 @@ ADAMW = {  # moved: O5's fused row counts the widening into fp32 master gradient
 SGD = {  # one momentum buffer: 8 B read and written in fp32, 4 in bf16, 2 in 8 bits; moved: as AdamW's
     "O5": Variant("O5", {}, True, 2 + 8 + 8 + 2, 6 + 22),  # _update/fused_sgd_update.py's one pass
     "O5 eager": Variant("O5", {}, False, 2 + 8 + 8 + 2),
-    "remainder": Variant("O5", REMAINDER, True, 6 + 4 + 8),
+    "remainder": Variant("O5", REMAINDER, True, 6 + 4 + 8, 2 + 18),  # fused_sgd_update.step_remainders
     "remainder eager": Variant("O5", REMAINDER, False, 6 + 4 + 8),
     "O7 fused": Variant("O7", {}, True, 4 + 2 + 8, 2 + 4 + 2 + 8),
     "O7 eager": Variant("O7", {}, False, 4 + 2 + 8),
