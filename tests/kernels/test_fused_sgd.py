@@ -166,3 +166,20 @@ def test_the_declared_ops_compile_into_one_graph_with_the_eager_bits(lib, kind, 
         step(*runs[0], rstep)
         compiled(*runs[1], rstep)
     assert same(*runs) and not torch.equal(runs[1][0], tensors(1023, hyper, state)[0])
+
+
+@pytest.mark.parametrize("kind, state", KINDS)
+def test_kernel_equals_the_eager_reference_on_special_values(lib, kind, state):
+    """Infinite, NaN, signed-zero and subnormal weights, gradients and buffers: the same values
+    (NaN payloads aside); without weight decay no ``p * 0`` term (``inf * 0`` would be NaN)."""
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-40, 3.0])
+    dtype = torch.float32 if state is None else torch.bfloat16
+    for hyper in (Hyper(0.05, 0.9, 0.1, 0.01, False, True), Hyper(0.05, 0.9, 0.0, 0.0, True, False)):
+        for grad in (special.flip(0), torch.full_like(special, -0.0)):
+            ref = [special.to(dtype), grad.to(dtype), special.roll(3).to(state or torch.float32)]
+            got = clone(ref)
+            run(kind, ref, hyper, False, None)
+            run(kind, got, hyper, False, lib)
+            for a, b in zip(ref, got):
+                nan = a.isnan()
+                assert torch.equal(nan, b.isnan()) and torch.equal(bits(a)[~nan], bits(b)[~nan]), (hyper, grad)
