@@ -12,9 +12,9 @@ from . import native
 from .fused_adamw import Hyper, arithmetic
 from .remainder import combine, set_side_table, side_table, split_
 
-__all__ = ["step_master_", "step_remainder_"]
+__all__ = ["step_master_", "step_remainder_", "step_remainder_table_"]
 
-RBLOCK = 512  # the remainder kernel's block (``native/``): each call leaves room for one block's candidates
+RBLOCK = 512  # csrc/remainder.h's block: a kernel call leaves room for one block's candidates per range
 
 
 def step_master_eager(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None) -> None:
