@@ -185,14 +185,16 @@ def test_a_million_parameters_bit_identical_to_o5_for_200_steps_with_a_skipped_s
     assert all(same_bits(v, w) for v, w in zip(masters_of(*ref), masters_of(*rem)))
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_each_side_table_owns_its_entries_twelve_bytes_a_parameter_and_eight_an_entry(fused, monkeypatch):
-    """After steps of AdamW (the fused kernel, or torch's step and ``split_``) on a million
-    parameters, each remainder's side table is a tensor of exactly its entries in its own storage
-    (an empty one is no table at all), and the footprint is 12 bytes a parameter (bf16 weight,
-    int16 remainder, fp32 ``exp_avg`` and ``exp_avg_sq``) plus 8 an entry, step counters apart."""
+@pytest.mark.parametrize("opt_name,fused", [("adamw", "1"), ("adamw", "0"), ("sgd_momentum", "1")])
+def test_each_side_table_owns_its_entries_twelve_bytes_a_parameter_and_eight_an_entry(opt_name, fused, monkeypatch):
+    """After steps of AdamW (the fused kernel, or torch's step and ``split_``) or SGD with momentum
+    (fused) on a million parameters, each remainder's side table is a tensor of exactly its entries
+    in its own storage (an empty one is no table at all), and the footprint is 12 bytes a parameter
+    with AdamW (bf16 weight, int16 remainder, fp32 ``exp_avg`` and ``exp_avg_sq``), 8 with SGD (its
+    fp32 ``momentum_buffer``), plus 8 an entry, step counters apart."""
     monkeypatch.setenv("AMPKIT_FUSED", fused)
-    model, opt = build_large("remainder", "adamw")
+    model, opt = build_large("remainder", opt_name)
+    state_bytes = 8 if opt_name == "adamw" else 4
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         large_step(model, opt, torch.randn(8, 256, generator=g), torch.randn(8, 16, generator=g))
@@ -207,8 +209,9 @@ def test_each_side_table_owns_its_entries_twelve_bytes_a_parameter_and_eight_an_
     assert entries > 0  # the tables are in use
     fp = ampkit.footprint.persistent_bytes([model], [opt])
     params = sum(p.numel() for p in model.parameters())
-    assert fp["total"] - fp["buffers"] - fp["optimizer_scalars"] == 12 * params + 8 * entries
-    assert fp["masters"] == 2 * params + 8 * entries and fp["optimizer_state"] - fp["optimizer_scalars"] == 8 * params
+    assert fp["total"] - fp["buffers"] - fp["optimizer_scalars"] == (4 + state_bytes) * params + 8 * entries
+    assert fp["masters"] == 2 * params + 8 * entries
+    assert fp["optimizer_state"] - fp["optimizer_scalars"] == state_bytes * params
 
 
 SGD_GROUPS = {
