@@ -73,13 +73,14 @@ def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tenso
     return fused_masters.step_remainder_table_(w, r, grad, m, v, _hyper(hyper, flags, count), table, native.library())
 
 
-def _remainder_fake(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tensor:
+def _new_table(table: torch.Tensor) -> torch.Tensor:
+    """A remainder op's fake result: a new side table, of a size known only when the op ran."""
     return table.new_empty(torch.library.get_ctx().new_dynamic_size())
 
 
 _declare("adamw_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!) m, Tensor(d!) v, Tensor table, "
          "Tensor count, float[] hyper, bool[] flags) -> Tensor",
-         adamw_remainder, _remainder_fake)
+         adamw_remainder, lambda w, r, grad, m, v, table, count, hyper, flags: _new_table(table))
 
 
 def adamw_8bit(w, grad, mq, ms, vq, vs, backup, count, hyper, flags, cap, seed, step, tensor, first) -> torch.Tensor:
@@ -135,8 +136,7 @@ def sgd_remainder(w, r, grad, buf, table, hyper, flags, new) -> torch.Tensor:
 
 _declare("sgd_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!)? buf, Tensor table, float[] hyper, "
          "bool[] flags, bool new) -> Tensor",
-         sgd_remainder, lambda w, r, grad, buf, table, hyper, flags, new: _remainder_fake(w, r, grad, None, None, table,
-                                                                                          None, hyper, flags))
+         sgd_remainder, lambda w, r, grad, buf, table, hyper, flags, new: _new_table(table))
 
 
 def sgd_8bit(w, grad, bq, bs, backup, hyper, flags, new, seed, step, tensor, first) -> torch.Tensor:
