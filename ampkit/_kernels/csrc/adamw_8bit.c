@@ -8,27 +8,38 @@
    counts the blocks with a non-finite new weight. */
 #include "q8.h"
 
-/* One block of k elements (loops without branches, so that they vectorize). */
-static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, int8_t *restrict mq,
-                             float *restrict ms, uint8_t *restrict vq, float *restrict vs, int k, int64_t first,
-                             uint64_t key, const float *restrict c, float cap, uint16_t *restrict bw,
-                             int8_t *restrict bm, uint8_t *restrict bv, int64_t *restrict bad) {
-    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK];
-    uint32_t lo[Q8_BLOCK], hi[Q8_BLOCK];
-    const float sm = *ms, sv0 = *vs, c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6],
-                c7 = c[7], c8 = c[8], c9 = c[9];
-    const int l2 = c1 != 0.0f;
-    uint32_t nbad = 0;  /* a flag, not a count: 32-bit lanes in the vector loop */
-    q8_words(lo, hi, key, first, k);  /* first: fewer live registers in the step below */
+/* The block's old codes to the backups, and m = code * scale, r = e4m4 code * scale (sqrt(v)) as floats
+   (copies in the loops: no memcpy calls on 256 bytes). */
+static void adamw_8bit_load(const int8_t *restrict mq, float sm, const uint8_t *restrict vq, float sv, int k,
+                            int8_t *restrict bm, uint8_t *restrict bv, float *restrict mb, float *restrict rb) {
     for (int j = 0; j < k; j++) {
-        int8_t qm = mq[j]; uint8_t qv = vq[j]; uint16_t wj = w[j];
-        bw[j] = wj; bm[j] = qm; bv[j] = qv;
-        float r0 = q8_e4m4(qv) * sv0;
+        bm[j] = mq[j];
+        mb[j] = mq[j] == -128 ? NAN : (float)mq[j] * sm;
+    }
+    for (int j = 0; j < k; j++) {
+        bv[j] = vq[j];
+        rb[j] = q8_e4m4(vq[j]) * sv;
+    }
+}
+
+/* The AdamW step on the block's floats: the new weight (rounded with the word's low 16 bits; the old to
+   bw), m and sqrt(v) in place of the old; a flag, not a count, for a non-finite weight (32-bit lanes). */
+static uint32_t adamw_8bit_step(uint16_t *restrict w, const uint16_t *restrict grad, float *restrict mb,
+                                float *restrict rb, const uint32_t *restrict lo, const float *restrict c, int k,
+                                uint16_t *restrict bw) {
+    const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8],
+                c9 = c[9];
+    const int l2 = c1 != 0.0f;
+    uint32_t nbad = 0;
+    for (int j = 0; j < k; j++) {
         float g = widen(grad[j]) * c9;
+        const uint16_t wj = w[j];
+        bw[j] = wj;
         float p = widen(wj);
         g = l2 ? g + p * c1 : g;
         p = p * c0;
-        float m = (qm == -128 ? NAN : (float)qm * sm) * c2 + g * c3;
+        float m = mb[j] * c2 + g * c3;
+        float r0 = rb[j];
         float v = (r0 * r0) * c4 + (g * g) * c5;
         float r = sqrtf(v);
         float denom = r / c6 + c7;
@@ -37,7 +48,13 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         w[j] = narrow(p, lo[j] & 0xFFFF);
         mb[j] = m; rb[j] = r;
     }
-    const q8_scale sv = q8_scale_of(q8_scale_exponent(q8_absmax(rb, k, Q8_TOP_E4M4), 1, 0.90625f));
+    return nbad;
+}
+
+/* The e4m4 codes of sqrt(v) (rb) at scale sv into vc (int32 lanes, as the floats'), with the draws of
+   stream 2; each stored value times cap is the limit of m's code (lb), and m is 0 where it is infinite. */
+static void adamw_8bit_vcodes(int32_t *restrict vc, float *restrict lb, float *restrict mb,
+                              const float *restrict rb, const uint32_t *restrict hi, q8_scale sv, float cap, int k) {
     for (int j = 0; j < k; j++) {
         float r = rb[j];
         int nan = !(r >= 0.0f), inf = r > Q8_TOP_E4M4;
@@ -47,13 +64,31 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
         int normal = y >= 0x1p-14f;
         float low = normal ? (float)((int32_t)(u >> 19) - (112 << 4)) : flin;
         float frac = normal ? (float)(u & 0x7FFFF) * 0x1p-19f : lin - flin;
-        uint8_t code = (uint8_t)(int32_t)(low + (float)(q8_draw2(hi[j]) < frac * 0x1p24f));
-        code = nan ? 254 : (inf ? 255 : code);
-        vq[j] = code;
-        float limit = (q8_e4m4(code) * sv.s) * cap;
+        int32_t code = (int32_t)(low + (float)(q8_draw2(hi[j]) < frac * 0x1p24f));  /* <= 253 */
+        /* code's value here, not q8_e4m4 of the code below: gcc makes selects on a selected code branches */
+        float val = code >= 16 ? q8_f((uint32_t)(code + (112 << 4)) << 19) : (float)code * 0x1p-18f;
+        val = nan ? NAN : (inf ? INFINITY : val);
+        vc[j] = nan ? 254 : (inf ? 255 : code);
+        float limit = (val * sv.s) * cap;
         mb[j] = isinf(limit) ? 0.0f : mb[j];  /* exact Adam's update there is 0 */
         lb[j] = limit;
     }
+}
+
+/* One block of k elements: loops without branches, each on one lane width where it can (so that they vectorize). */
+static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, int8_t *restrict mq,
+                             float *restrict ms, uint8_t *restrict vq, float *restrict vs, int k, int64_t first,
+                             uint64_t key, const float *restrict c, float cap, uint16_t *restrict bw,
+                             int8_t *restrict bm, uint8_t *restrict bv, int64_t *restrict bad) {
+    float mb[Q8_BLOCK], rb[Q8_BLOCK], lb[Q8_BLOCK];
+    uint32_t lo[Q8_BLOCK], hi[Q8_BLOCK];
+    int32_t vc[Q8_BLOCK];
+    q8_words(lo, hi, key, first, k);
+    adamw_8bit_load(mq, *ms, vq, *vs, k, bm, bv, mb, rb);
+    const uint32_t nbad = adamw_8bit_step(w, grad, mb, rb, lo, c, k, bw);
+    const q8_scale sv = q8_scale_of(q8_scale_exponent(q8_absmax(rb, k, Q8_TOP_E4M4), 1, 0.90625f));
+    adamw_8bit_vcodes(vc, lb, mb, rb, hi, sv, cap, k);
+    q8_narrow8(vq, vc, k);
     const q8_scale sm1 = q8_scale_of(q8_scale_exponent(q8_absmax(mb, k, INFINITY), 7, 0.9921875f));
     q8_int8(mq, mb, lb, lo, hi, sm1, k);
     *ms = sm1.s; *vs = sv.s;

@@ -54,8 +54,9 @@ static inline uint32_t q8_absmax(const float *restrict x, int k, float top) {  /
 /* The counter word of each element: the weight's 16-bit draw (bits 0..15), stream 1's 24 (16..39) and
    stream 2's (40..63), as lo = bits 0..31 and hi = 32..63. */
 static inline void q8_words(uint32_t *restrict lo, uint32_t *restrict hi, uint64_t key, int64_t first, int k) {
-    for (int j = 0; j < k; j++) {
-        const uint64_t a = word(key, first + j);
+    uint64_t z = key + (uint64_t)(first + 1) * GAMMA;  /* word()'s argument, stepped by additions: no multiply */
+    for (int j = 0; j < k; j++, z += GAMMA) {
+        const uint64_t a = mix64(z);
         lo[j] = (uint32_t)a;
         hi[j] = (uint32_t)(a >> 32);
     }
@@ -63,10 +64,16 @@ static inline void q8_words(uint32_t *restrict lo, uint32_t *restrict hi, uint64
 static inline float q8_draw1(uint32_t lo, uint32_t hi) { return (float)(int32_t)((lo >> 16) | ((hi & 0xFF) << 16)); }
 static inline float q8_draw2(uint32_t hi) { return (float)(int32_t)(hi >> 8); }
 
+/* The low bytes of k int32 codes (in [-128, 255]): a loop of its own vectorizes as packs. */
+static inline void q8_narrow8(uint8_t *restrict q, const int32_t *restrict c, int k) {
+    for (int j = 0; j < k; j++) q[j] = (uint8_t)c[j];
+}
 /* Int8 codes of the block's mb (non-finite: -128) at scale sc, rounded up when draw < frac 2**24, each
-   magnitude at most floor(limit / s) (lb; NULL or NaN: none). */
+   magnitude at most floor(limit / s) (lb; NULL or NaN: none). Two loops of one lane width each (float and
+   int32 codes, then int32 -> int8): one loop of both would run 64 lanes a step, four float vectors of each. */
 static inline void q8_int8(int8_t *restrict q, const float *restrict mb, const float *restrict lb,
                            const uint32_t *restrict lo, const uint32_t *restrict hi, q8_scale sc, int k) {
+    int32_t qc[Q8_BLOCK];
     for (int j = 0; j < k; j++) {
         float m = mb[j];
         int fin = isfinite(m);
@@ -78,8 +85,8 @@ static inline void q8_int8(int8_t *restrict q, const float *restrict mb, const f
             lim = isnan(lim) ? INFINITY : lim;
             low = lim < low ? lim : low;
         }
-        int8_t code = (int8_t)(int32_t)copysignf(low, m);
-        q[j] = fin ? code : (int8_t)-128;
+        qc[j] = fin ? (int32_t)copysignf(low, m) : -128;
     }
+    q8_narrow8((uint8_t *)q, qc, k);
 }
 #endif
