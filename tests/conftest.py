@@ -15,7 +15,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # ATEN_CPU_CAPABILITY=default and one thread. Paths are relative to tests/: a folder takes all of it,
 # a module all its tests, "module.py::test_name" one test (all its parameters).
 NUMERICS = (
-    "kernels/test_blockquant.py", "model/test_casting.py", "kernels/test_compiled_update.py", "kernels/test_fused_adamw_8bit.py",
+    "kernels/test_blockquant.py", "model/test_casting.py", "kernels/test_compiled_update.py", "kernels/test_compiled_sgd.py",
+    "kernels/test_fused_adamw_8bit.py",
     "kernels/test_fused_masters.py", "kernels/test_fused_sgd_remainder.py", "kernels/test_sgd_8bit.py", "kernels/test_fused_sgd.py", "kernels/test_ieee.py", "kernels/test_remainder.py", "benchmarks/test_remainder_simulation.py", "kernels/test_rounding.py",
     "kernels/test_unscale.py", "run/test_scaler.py",
     "model/test_apex_lists.py", "model/test_copies.py", "loop/test_dropped_batches.py",

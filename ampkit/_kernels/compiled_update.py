@@ -26,6 +26,9 @@ size; sizes 1 and 2+ compile apart, as dynamic shapes specialize size 1) and are
 index kind (a run from an offset, or every element's index) on first use; torch._inductor
 is imported then, not with ampkit. Where inductor's C++ is scalar (no SIMD), a run on CPU
 steps as its elements' index (`_scalar_cpp`).
+
+O7's SGD (``compiled_sgd.py``) compiles and runs the same way, with this module's options,
+counter words, rounding, `launch` and `guarded` (the eager fallback).
 """
 import functools
 
@@ -37,7 +40,7 @@ from . import counter_bits, fused_adamw
 from .counter_bits import GAMMA, M1, M2, Index
 from .fused_adamw import Hyper
 
-__all__ = ["OPTIONS", "available", "step_compiled", "step_"]
+__all__ = ["OPTIONS", "available", "step_compiled", "step_", "launch", "guarded"]
 
 OPTIONS = {  # inductor settings under which the compiled update is the eager reference bit for bit
     "emulate_precision_casts": True,  # Triton: enable_fp_fusion=False (no FMA contraction)
@@ -129,19 +132,28 @@ def available(device: torch.device) -> bool:
 
 def step_compiled(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
     """`fused_adamw.step_eager` of flat contiguous tensors on one device in one compiled kernel."""
+    launch(_compiled, [w, grad, m, v], hyper.consts(), seed, step, tensor, index)
+
+
+def launch(compiled, tensors: list, consts: list, seed: int, step: int, tensor: int, index: Index) -> None:
+    """``compiled(indexed)(*tensors, c, keys[, index])`` on flat contiguous ``tensors`` (None
+    passes as None): ``c`` the float32 ``consts`` (an even count), ``keys`` the int64 key of word 0
+    of ``(seed, step, tensor)`` and the run's first index, both in one host-to-device copy; each
+    element's index where ``index`` is a tensor or C++ is scalar here (`_scalar_cpp`)."""
+    w = tensors[0]
     keys = [counter_bits._signed(counter_bits.key(seed, step, tensor, 0))]
     packed = torch.tensor(keys + [index if isinstance(index, int) else 0], dtype=torch.int64)
-    packed = torch.cat([packed, torch.tensor(hyper.consts(), dtype=torch.float32).view(torch.int64)])
+    packed = torch.cat([packed, torch.tensor(consts, dtype=torch.float32).view(torch.int64)])
     packed = packed.to(w.device)  # one host-to-device copy
     c = packed[2:].view(torch.float32)
-    args = [t.detach() for t in (w, grad, m, v)] + [c, packed[:2]]  # plain tensors, no autograd: fewer guards
+    args = [t if t is None else t.detach() for t in tensors] + [c, packed[:2]]  # plain tensors, no autograd: fewer guards
     with torch.no_grad():
         if isinstance(index, int) and not (w.device.type == "cpu" and _scalar_cpp()):
-            _compiled(False)(*args)
+            compiled(False)(*args)
         else:
             if isinstance(index, int):
                 index = torch.arange(index, index + w.numel(), dtype=torch.int64)
-            _compiled(True)(*args, index.reshape(-1).to(w.device))
+            compiled(True)(*args, index.reshape(-1).to(w.device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,24 +169,29 @@ def _scalar_cpp() -> bool:
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index) -> None:
     """One AdamW step of bf16 ``w`` in place, as ``fused_adamw.step_`` (the same bits) but in one
-    compiled kernel; non-contiguous tensors step through contiguous copies. Where compilation
-    fails, one line is logged, this call runs ``fused_adamw.step_`` (the eager reference: the
-    same bits on CPU, within a float32 rounding on CUDA), and `available` says no for
-    the device from then on (O7 then takes the optimizer's own step there)."""
-    if w.numel() == 0:
-        return
-    if w.device.type in _failed:
-        return fused_adamw.step_(w, grad, m, v, hyper, seed, step, tensor, index)
-    tensors = [w, grad, m, v]
-    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    compiled kernel (`guarded`)."""
+    if w.numel() != 0:
+        guarded(step_compiled, fused_adamw.step_, [w, grad, m, v], hyper, seed, step, tensor, index)
+
+
+def guarded(compiled_step, reference, tensors: list, *args) -> None:
+    """``compiled_step(*tensors, *args)`` of ``tensors`` (weight, gradient, state; None passes)
+    made flat, non-contiguous ones through contiguous copies written back. Where compilation
+    fails, one line is logged, this call runs ``reference(*tensors, *args)`` (the eager
+    reference: the same bits on CPU, within a float32 rounding on CUDA), and `available` says no
+    for the device from then on (O7 then takes the optimizer's own step there)."""
+    device = tensors[0].device.type
+    if device in _failed:
+        return reference(*tensors, *args)
+    flat = [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
     try:
-        step_compiled(*(f.view(-1) for f in flat), hyper, seed, step, tensor, index)
+        compiled_step(*(f if f is None else f.view(-1) for f in flat), *args)
     except Exception as err:  # inductor's errors have no common public base class
-        _failed.add(w.device.type)
+        _failed.add(device)
         logger.warning("ampkit: the compiled O7 update failed on %s (%s: %s); the eager reference steps this tensor, "
-                       "the optimizer's own step runs from then on", w.device.type, type(err).__name__,
+                       "the optimizer's own step runs from then on", device, type(err).__name__,
                        str(err).splitlines()[0] if str(err) else "")
-        return fused_adamw.step_(w, grad, m, v, hyper, seed, step, tensor, index)
-    for t, f in zip(tensors, flat):
-        if f is not t and t is not grad:
+        return reference(*tensors, *args)
+    for k, (t, f) in enumerate(zip(tensors, flat)):
+        if f is not t and k != 1:  # the gradient (1) is only read
             t.copy_(f)
