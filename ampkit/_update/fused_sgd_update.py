@@ -3,20 +3,22 @@
 * O5's fp32 masters of bf16 parameters (`step_masters`): master, its fp32 gradient and the
   momentum buffer read once; master, buffer and the bf16 model weight (to nearest even) written once.
 * O7 (`step`): the bf16 weight, its bf16 gradient and the float32 or bf16 buffer read once and
-  written once, rounded stochastically with the chunked update's bits (weight stream 0, buffer 1).
+  written once, rounded stochastically with the chunked update's bits (weight stream 0, buffer 1);
+  on CUDA (and other Triton devices) as one ``torch.compile`` kernel per tensor
+  (``_kernels/compiled_sgd.py``, where ``compiled_update.available``), with the same bits.
 * Remainder masters (`step_remainders`): the bf16 weight, its int16 remainder and side table, the
   bf16 gradient and the float32 buffer read and written once; the masters equal O5's fused ones.
 
 Eligible: an exact ``torch.optim.SGD`` (not a subclass; no ``differentiable`` or ``fused``) on CPU
-tensors with dense gradients. The arithmetic is torch's SGD with one rounding per operation:
-torch's own ``add(alpha=)`` is one fused multiply-add in its AVX2 / AVX512 loops, so results agree
-with it to the last float32 bit or so, bit for bit on its portable kernels. The state stays
-torch's (``momentum_buffer``, keyed by the parameter or the master; none when momentum is 0), so
-checkpoints move between the fused path and plain torch.
+tensors (O7's: or where the compiled kernel runs) with dense gradients. The arithmetic is torch's
+SGD with one rounding per operation: torch's own ``add(alpha=)`` is one fused multiply-add in its
+AVX2 / AVX512 loops, so results agree with it to the last float32 bit or so, bit for bit on its
+portable kernels. The state stays torch's (``momentum_buffer``, keyed by the parameter or the
+master; none when momentum is 0), so checkpoints move between the fused path and plain torch.
 """
 import torch
 
-from .._kernels import ops
+from .._kernels import compiled_sgd, compiled_update, ops
 from .._kernels.fused_sgd import Hyper
 from .fused_update import enabled
 from .shards import global_index, like, local
@@ -47,12 +49,20 @@ def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_dtype) -> bool:
-    """Whether bf16 ``p`` of ``group`` steps in O7's `step`: on CPU, a dense bf16 gradient, an
+    """Whether bf16 ``p`` of ``group`` steps in O7's `step`: on CPU or where the compiled kernel
+    runs (``compiled_update.available``: CUDA with Triton), a dense bf16 gradient, an
     `exact_group`, its buffer (if any) as this path keeps it."""
-    if (p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse or local(p).device.type != "cpu"
-            or not exact_group(optimizer, group)):
+    device = local(p).device
+    if (p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
+            or (device.type != "cpu" and not compiled_update.available(device)) or not exact_group(optimizer, group)):
         return False
     return _state_as_kept(optimizer.state.get(p), p, torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32)
+
+
+def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether bf16 ``p`` with remainder masters steps in `step_remainders`: on CPU (the kernel
+    is C), `eligible` with a float32 buffer (if any)."""
+    return local(p).device.type == "cpu" and eligible(optimizer, group, p, grad, torch.float32)
 
 
 def _buffer(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
@@ -71,13 +81,17 @@ def _buffer(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
     """One SGD step of each ``(group, p)`` of ``params`` (all `eligible`)."""
     dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
-    hypers = {}  # per group, read once a step
+    compiles, hypers = {}, {}  # per device, per group (read once a step)
     for group, p in params:
         h = hypers.setdefault(id(group), hyper(group))
         buf, new = _buffer(optimizer, group, p, dtype)
+        w = local(p)
+        if w.device not in compiles:
+            compiles[w.device] = compiled_update.available(w.device)
+        kernel = compiled_sgd.step_ if compiles[w.device] else ops.sgd_step_
         with torch.no_grad():
-            ops.sgd_step_(local(p), local(grads[p]), None if buf is None else local(buf), h, new, rounder.seed,
-                          rounder.step, ids[p], global_index(p))
+            kernel(w, local(grads[p]), None if buf is None else local(buf), h, new, rounder.seed, rounder.step, ids[p],
+                   global_index(p))
 
 
 def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:

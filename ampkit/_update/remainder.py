@@ -40,7 +40,7 @@ class RemainderUpdate(ChunkedUpdate):
         if not self.fused_on or self.state_dtype not in (None, torch.float32):
             return False
         if fused_sgd_update.is_sgd(self.optimizer):
-            return fused_sgd_update.eligible(self.optimizer, group, p, grad, torch.float32)
+            return fused_sgd_update.remainder_eligible(self.optimizer, group, p, grad)
         return fused_update.remainder_eligible(self.optimizer, group, p, grad)
 
     def _step_fused(self, params, grads: dict) -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit._kernels import native
+from ampkit._kernels import compiled_sgd, compiled_update, native
 from ampkit._run.registry import current as current_run
 from ampkit._update import fused_sgd_update
 from tests.kernels.test_fused_sgd import contracts
@@ -157,3 +157,48 @@ def test_ineligible_optimizers_and_settings_take_the_optimizer_step(monkeypatch)
     assert fused_sgd_update.masters_to_step(opt, {m: p}) == []
     for opt in (MySGD([m], lr=0.1), torch.optim.SGD([m], lr=0.1, fused=True)):
         assert not fused_sgd_update.master_eligible(opt, opt.param_groups[0], m, p)
+
+
+@pytest.mark.slow  # inductor compiles a graph per buffer kind (a few seconds each on 2 cores)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_o7_through_the_compiled_sgd_equals_the_kernel(lib, monkeypatch, tmp_path, state_dtype):
+    """O7 with the compiled path forced on CPU (the path CUDA parameters take): every non-empty
+    parameter steps in the compiled kernel at each unskipped step, and weights and buffers equal
+    the C kernel's bit for bit after five steps with a skipped one."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    calls, data = [], batches(5)
+    real = compiled_sgd.step_compiled
+    monkeypatch.setattr(compiled_sgd, "step_compiled", lambda w, *a: calls.append(w.numel()) or real(w, *a))
+    for sgd in ("all", "nesterov-exact", "exact", "plain"):
+        runs = {}
+        for kind in ("kernel", "compiled"):
+            calls.clear()
+            monkeypatch.setattr(compiled_update, "ON_CPU", kind == "compiled")
+            model, opt = run("O7", sgd, state_dtype, "kernel", monkeypatch, data, poison=(1,))
+            runs[kind] = snapshot(model, opt)
+            nonempty = sorted(p.numel() for p in model.parameters() if p.numel())
+            assert sorted(calls) == (sorted(nonempty * 4) if kind == "compiled" else []), (sgd, kind)
+        assert same(runs["kernel"], runs["compiled"]), sgd
+        assert not same(runs["compiled"], snapshot(*make("O7", sgd, state_dtype)))
+
+
+def test_cuda_parameters_are_eligible_where_the_compiled_sgd_runs(monkeypatch):
+    """A (fake) CUDA parameter steps in O7's fused SGD exactly when the compiled kernel is
+    available there (Triton installed), else in torch's SGD; remainder masters' fused SGD (C)
+    stays on CPU."""
+    import torch.utils._triton as triton_utils
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        p = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="cuda"))
+        g = torch.zeros(3, dtype=torch.bfloat16, device="cuda")
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    for has_triton in (False, True):
+        monkeypatch.setattr(triton_utils, "has_triton", lambda: has_triton)
+        assert fused_sgd_update.eligible(opt, opt.param_groups[0], p, g, None) is has_triton
+        assert not fused_sgd_update.remainder_eligible(opt, opt.param_groups[0], p, g)
+    monkeypatch.setenv("AMPKIT_COMPILED_UPDATE", "0")
+    assert not fused_sgd_update.eligible(opt, opt.param_groups[0], p, g, None)
+    q = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    assert fused_sgd_update.remainder_eligible(opt, opt.param_groups[0], q, torch.zeros(3, dtype=torch.bfloat16))
