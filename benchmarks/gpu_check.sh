@@ -7,9 +7,10 @@
 #      eager, against its bound, with torch's fp32 AdamW/SGD and the peers beside them where their
 #      libraries import (torchao SR AdamW and AdamW8bit, optimi Kahan AdamW/SGD, bitsandbytes
 #      AdamW8bit/SGD8bit; a row that fails on CUDA is skipped with its error in the table); the fused
-#      O7 rows run one torch.compile Triton kernel per tensor, _kernels/compiled_update.py, and
-#      torchao compiles its step, both on each row's first step (its bits against the CPU reference
-#      are checked in step 1's tests/kernels/test_compiled_update.py cuda test), JSON and tables;
+#      O7 rows run one torch.compile Triton kernel per tensor, _kernels/compiled_update.py (AdamW) and
+#      _kernels/compiled_sgd.py (SGD), and torchao compiles its step, both on each row's first step
+#      (their bits against the CPU reference are checked in step 1's cuda tests of
+#      tests/kernels/test_compiled_update.py and test_compiled_sgd.py), JSON and tables;
 #   3. the demo on CUDA with its default sizing;
 #   4. a short frontier run on CUDA (benchmarks/frontier.py --quick: ampkit's bf16 levels and the
 #      peer optimizers that import, O6), JSON and tables.

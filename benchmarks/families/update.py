@@ -13,8 +13,8 @@ masters, then ``opt.step()``). The rows (``families/update_variants.py``), per o
 
 - ampkit's O5 and remainder masters (fused: ``ampkit/_kernels/fused_masters.py``, one pass; O5's also
   moves the bf16 gradients into fp32 master gradients first), O7 and O7 with bf16 state (fused:
-  ``ampkit/_kernels/fused_adamw.py``; on CUDA one ``torch.compile`` Triton kernel per tensor,
-  ``ampkit/_kernels/compiled_update.py``), O8 (fused: ``ampkit/_kernels/fused_adamw_8bit.py``), and the
+  ``ampkit/_kernels/fused_adamw.py``, ``fused_sgd.py``; on CUDA one ``torch.compile`` Triton kernel per
+  tensor, ``ampkit/_kernels/compiled_update.py``, ``compiled_sgd.py``), O8 (fused: ``ampkit/_kernels/fused_adamw_8bit.py``), and the
   same five through the optimizer's own step (``AMPKIT_FUSED=0``, the "eager" rows; on CUDA, where the
   C kernels do not run, both rows take that step). Where a level has no fused update for the
   optimizer, its two rows take the same path;
