@@ -3,8 +3,8 @@
 On CPU the compiled path is forced (it is there for accelerators; inductor's C++ backend runs
 the same graph here), with a fresh ``TORCHINDUCTOR_CACHE_DIR`` (``test_compiled_update.py``'s
 fixture): momentum 0 and 0.9, dampening, Nesterov, weight decay, maximize, float32 and bf16
-buffers, first and later steps, sizes 1, 7 and 1023 with special values, a run from an offset
-and every element's index, shards, non-contiguous and empty tensors. One graph serves every
+buffers, first and later steps, sizes 1, 7 and 1023 with special values (NaN payloads aside), a
+run from an offset and every element's index, shards, non-contiguous and empty tensors. One graph serves every
 option (they are flags in a tensor), so the whole matrix compiles 9 graphs. The ``cuda`` test
 compares CUDA with the reference on CPU.
 """
@@ -26,6 +26,14 @@ def sgd_tensors(n: int, state, seed: int = 0):
     return [w, g, None if state is None else m]
 
 
+def same_but_nan_payloads(a, b) -> bool:
+    """Bit for bit, NaN payloads aside: the sign of a NaN that arithmetic makes (``inf - inf``) is
+    the code's (inductor's scalar C++ and torch's eager loops differ there)."""
+    return all((x is None and y is None) or (x.dtype == y.dtype and torch.equal(x.isnan(), y.isnan())
+                                             and torch.equal(bits(x)[~x.isnan()], bits(y)[~y.isnan()]))
+               for x, y in zip(a, b))
+
+
 def check(ts, hyper, index, steps=3):
     """``steps`` steps (the buffer made on the first) of copies of ``ts``: compiled == eager, bit for bit."""
     ref, got = clone(ts), clone(ts)
@@ -33,7 +41,7 @@ def check(ts, hyper, index, steps=3):
         fused_sgd.step_(*ref, hyper, step == 0, 1234, step, 5, index)
         compiled_sgd.step_(*got, hyper, step == 0, 1234, step, 5, index)
         assert not compiled_update._failed  # compiled, not the eager fallback (a recompile limit, say)
-        assert same(ref, got), (hyper, step, ts[0].numel())
+        assert same_but_nan_payloads(ref, got), (hyper, step, ts[0].numel())
     return got
 
 
@@ -109,7 +117,4 @@ def test_cuda_compiled_equals_the_reference_on_cpu(state):
             for step in range(2):
                 fused_sgd.step_(*ref, hyper, step == 0, 5, step, 1, index)
                 compiled_sgd.step_(*got, hyper, step == 0, 5, step, 1, index.cuda() if torch.is_tensor(index) else index)
-            for a, b in zip(ref, got):  # NaN payloads aside (the float-to-bfloat16 conversions may differ there)
-                if a is not None:
-                    b = b.cpu()
-                    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(bits(a)[~a.isnan()], bits(b)[~b.isnan()]), (n, hyper)
+            assert same_but_nan_payloads(ref, [None if t is None else t.cpu() for t in got]), (n, hyper)
