@@ -5,6 +5,8 @@ Design: docs/design/memory-levels.md, "The counter bits".
 """
 from typing import Union
 
+import functools
+
 import torch
 
 __all__ = ["GAMMA", "mix64", "key", "words", "draws24", "shift24", "draws16", "shift16"]
@@ -30,10 +32,16 @@ def mix64(z: int) -> int:
 
 def key(seed: int, step: int, tensor: int, word: int) -> int:
     """The 64-bit key (unsigned) of word stream ``word`` of ``tensor`` at ``step``."""
-    k = mix64(seed + GAMMA)
-    for field in (step, tensor, word):
+    k = _step_key(seed, step)
+    for field in (tensor, word):
         k = mix64((k ^ field) + GAMMA)
     return k
+
+
+@functools.lru_cache(maxsize=16)
+def _step_key(seed: int, step: int) -> int:
+    """`key`'s first two rounds, the same for every tensor of a step (computed once a step)."""
+    return mix64((mix64(seed + GAMMA) ^ step) + GAMMA)
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:

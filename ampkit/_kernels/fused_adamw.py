@@ -64,12 +64,13 @@ def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, i
 
 
 def step_native(lib, w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, first: int) -> None:
-    """`step_eager` in one pass of the C kernel (contiguous CPU tensors, ``first`` an int)."""
+    """`step_eager` in one pass of the C kernel (contiguous CPU tensors, ``first`` an int; the
+    symbol table's argtypes convert the Python ints)."""
     n = w.numel()
     consts = (ctypes.c_float * 10)(*hyper.consts())
     fn = lib.adamw_bf16_state if m.dtype == torch.bfloat16 else lib.adamw_fp32_state
-    fn(*(native.ptr(t) for t in (w, grad, m, v)), ctypes.c_int64(n), ctypes.c_int64(first),
-       native.u64(counter_bits.key(seed, step, tensor, 0)), consts, native.threads(n))
+    fn(w.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), n, first, counter_bits.key(seed, step, tensor, 0),
+       consts, native.threads(n))
 
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index,
@@ -83,10 +84,10 @@ def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index:
         return
     tensors = [w, grad, m, v]
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    views = [f.view(-1) for f in flat]
     if lib is not None and isinstance(index, int) and w.device.type == "cpu" and grad.dtype == torch.bfloat16:
-        step_native(lib, *views, hyper, seed, step, tensor, index)
+        step_native(lib, *flat, hyper, seed, step, tensor, index)  # contiguous: the addresses of flat memory
     else:
+        views = [f.view(-1) for f in flat]
         index = index.reshape(-1).to(w.device) if torch.is_tensor(index) else index
         for lo in range(0, n, BLOCK):
             hi = min(n, lo + BLOCK)
