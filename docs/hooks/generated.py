@@ -183,9 +183,9 @@ def bench_figures() -> str:
                 f"device {m.get('device')}; 1-minute load average {m.get('load_average'):.1f} at the start and "
                 f"{data.get('load_average_end', float('nan')):.1f} at the end. Command: "
                 f"`python {' '.join(_argv(data.get('argv', ['benchmarks/run.py']), path))}`"
-                f"{' (--quick: a smoke run, not valid for the targets)' if data.get('quick') else ''}.", "",
-                f"![Speed-up and peak memory per level on {m.get('cpu')}]({path.stem}.png)".replace(
-                    f"({path.stem}.png)", f"(figures/{path.stem}.png)"), ""]
+                f"{' (--quick: a smoke run, not valid for the targets)' if data.get('quick') else ''}.", ""]
+        if _plotted(data):
+            out += [f"![Speed-up and peak memory per level on {m.get('cpu')}](figures/{path.stem}.png)", ""]
         for family, result in data["results"].items():
             rows = result.get("rows") if isinstance(result, dict) else None
             if not rows:
@@ -287,6 +287,11 @@ def on_page_markdown(markdown, page, config, files):
 
 # --- benchmark figures plotted at build time -----------------------------------------------
 
+def _plotted(data: dict) -> bool:
+    """Whether a committed ``run.py --json`` file has what ``plot.py`` draws (speed-up or memory results)."""
+    return "results" in data and bool({"speedup", "memory"} & set(data["results"]))
+
+
 def benchmark_figures() -> dict:
     """Site path -> PNG bytes, one plot per ``benchmarks/run.py --json`` file in ``docs/benchmarks/data/``."""
     import io
@@ -295,7 +300,7 @@ def benchmark_figures() -> dict:
     out = {}
     for path in sorted(DATA.glob("*.json")):
         data = json.loads(path.read_text())
-        if "results" not in data:  # not a benchmarks/run.py file (e.g. a demo's --json)
+        if not _plotted(data):  # not a benchmarks/run.py file (e.g. a demo's --json), or nothing plot.py draws
             continue
         buffer = io.BytesIO()
         plot.plot(data["results"], data["machine"], buffer)
