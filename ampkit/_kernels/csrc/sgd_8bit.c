@@ -7,25 +7,79 @@
 #include "q8.h"
 #include "sgd.h"
 
+/* The counter word of each element (q8.h's q8_words, stepped by additions): the weight's draw (bits 0..15, in
+   lo) and up = 0xFFFFFF - the buffer's 24-bit draw d (bits 16..39, q8_draw1's), for sgd_8bit_codes. */
+static void sgd_8bit_words(uint32_t *restrict lo, uint32_t *restrict up, uint64_t key, int64_t first, int k) {
+    uint64_t z = key + (uint64_t)(first + 1) * GAMMA;
+    for (int j = 0; j < k; j++, z += GAMMA) {
+        const uint64_t a = mix64(z);
+        lo[j] = (uint32_t)a;
+        up[j] = ~(uint32_t)(a >> 16) & 0xFFFFFFu;
+    }
+}
+
+/* q8_int8's codes (no limit), its bits, with integer rounding: y = |m| / s as there (<= 127) and Y = y 2**24
+   (exact, < 2**31); floor(y) + (d < frac(y) 2**24) is (ceil(Y) + 0xFFFFFF - d) >> 24 (d an integer: d < F iff
+   d < ceil(F)); the sign applied as (mag ^ -1) + 1 (no compares). The old code to the backup bb in the same
+   loop: the codes stored as bytes here (4 float vectors a step) beat an int32 scratch and a narrowing loop. */
+static void sgd_8bit_codes(int8_t *restrict q, const float *restrict mb, const uint32_t *restrict up, q8_scale sc,
+                           int k, int8_t *restrict bb) {
+    for (int j = 0; j < k; j++) {
+        const float m = mb[j];
+        const int fin = isfinite(m);
+        const float y = fin ? (fabsf(m) * sc.a) * sc.b : 0.0f;
+        const int32_t mag = (int32_t)(((uint32_t)(int32_t)ceilf(y * 0x1p24f) + up[j]) >> 24);
+        const int32_t sg = -(int32_t)(q8_u(m) >> 31);  /* m's sign: 0 or -1 */
+        bb[j] = q[j];
+        q[j] = (int8_t)(fin ? (mag ^ sg) - sg : -128);
+    }
+}
+
+/* In mode BUFFER, buf = code * scale as floats (the int8 -> float widening, a loop of its own). */
+static void sgd_8bit_load(const int8_t *restrict bq, float s, int k, float *restrict mb) {
+    for (int j = 0; j < k; j++) {
+        const float f = (float)bq[j];  /* code -128 (NaN) tested on the float: gcc folds f == -128 to a byte test */
+        mb[j] = f < -127.5f ? NAN : f * s;
+    }
+}
+
+/* The SGD step on the block (16- and 32-bit lanes): the new weight (rounded with the word's low 16 bits; the
+   old to bw) and the new buffer in mb, its absmax (q8_absmax's, in this loop); whether a new weight is not
+   finite, as the greatest exponent field (a max, not a compare and an or). */
+static uint32_t sgd_8bit_step(uint16_t *restrict w, const uint16_t *restrict grad, float *restrict mb,
+                              const uint32_t *restrict lo, int k, const int mode, int flags, const float *restrict c,
+                              uint16_t *restrict bw, uint32_t *restrict absmax) {
+    const float h[4] = {c[0], c[1], c[2], c[3]};  /* a local copy, read unconditionally: the loop vectorizes */
+    uint32_t amax = 0, most = 0;
+    for (int j = 0; j < k; j++) {
+        const uint16_t wj = w[j];
+        bw[j] = wj;
+        float b = mode == BUFFER ? mb[j] : 0.0f;
+        const float p = sgd_step(widen(wj), widen(grad[j]), &b, mode, flags, h);
+        const uint32_t ex = q8_u(p) & 0x7F800000u;
+        most = ex > most ? ex : most;
+        w[j] = narrow(p, lo[j] & 0xFFFF);
+        mb[j] = b;
+        const uint32_t u = q8_u(b) & 0x7FFFFFFFu & -(uint32_t)(fabsf(b) <= INFINITY);  /* q8_absmax's: NaN 0 */
+        amax = u > amax ? u : amax;
+    }
+    *absmax = amax;
+    return most == 0x7F800000u;
+}
+
+/* One block of k elements: loops without branches, each on one lane width where it can (so that they vectorize:
+   the counter words, the codes widened, the step, the new codes); mode is a constant of each instantiation. */
 INLINE void sgd_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, int8_t *restrict bq,
                            float *restrict bs, int k, int64_t first, uint64_t key, const int mode, int flags,
                            const float *restrict c, uint16_t *restrict bw, int8_t *restrict bb, int64_t *restrict bad) {
     float mb[Q8_BLOCK];
-    uint32_t lo[Q8_BLOCK], hi[Q8_BLOCK];
-    const float s = *bs, h[4] = {c[0], c[1], c[2], c[3]};  /* a local copy, read unconditionally: the loop vectorizes */
-    uint32_t nbad = 0;
-    q8_words(lo, hi, key, first, k);
-    for (int j = 0; j < k; j++) {
-        int8_t q = bq[j]; uint16_t wj = w[j];
-        bw[j] = wj; bb[j] = q;
-        float b = mode == BUFFER ? (q == -128 ? NAN : (float)q * s) : 0.0f;
-        const float p = sgd_step(widen(wj), widen(grad[j]), &b, mode, flags, h);
-        nbad |= !isfinite(p);
-        w[j] = narrow(p, lo[j] & 0xFFFF);
-        mb[j] = b;
-    }
-    const q8_scale sc = q8_scale_of(q8_scale_exponent(q8_absmax(mb, k, INFINITY), 7, 0.9921875f));
-    q8_int8(bq, mb, NULL, lo, hi, sc, k);
+    uint32_t lo[Q8_BLOCK], up[Q8_BLOCK];
+    sgd_8bit_words(lo, up, key, first, k);
+    if (mode == BUFFER) sgd_8bit_load(bq, *bs, k, mb);
+    uint32_t amax;
+    const uint32_t nbad = sgd_8bit_step(w, grad, mb, lo, k, mode, flags, c, bw, &amax);
+    const q8_scale sc = q8_scale_of(q8_scale_exponent(amax, 7, 0.9921875f));
+    sgd_8bit_codes(bq, mb, up, sc, k, bb);
     *bs = sc.s;
     *bad += nbad;
 }
