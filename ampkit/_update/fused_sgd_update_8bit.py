@@ -6,6 +6,7 @@ as int8 codes and block scales) are read and written once, with the draws and co
 weight is undone. ``AMPKIT_FUSED=0`` keeps the optimizer's own step. Design notes:
 docs/design/kernels.md, "O8's SGD with an 8-bit buffer".
 """
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -14,7 +15,7 @@ from .._kernels import ops
 from .._kernels.fused_adamw_8bit import BLOCK, span
 from .._kernels.fused_sgd import Hyper
 from .._kernels.fused_sgd_8bit import backups, restore_
-from . import state_8bit
+from . import fused_update_8bit, state_8bit
 from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
 
@@ -52,29 +53,16 @@ def hyper(group: dict) -> Hyper:
 
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:
     """One SGD step of each ``(group, p)`` of ``chunk`` (all `eligible`); ``skip``, the result
-    and ``scratch`` as `fused_update_8bit.step`'s."""
-    parts = [local(p) for _, p in chunk]
-    saved = backups([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
-    done, bad, hypers = [], [], {}
-    for (group, p), q, backup in zip(chunk, parts, saved):
-        new = _start(optimizer, p, q)
-        done.append((p, new, backup))
+    and ``scratch`` as `fused_update_8bit.run_chunk`'s."""
+    hypers = {}
+
+    def step_one(group, p, q, new, backup) -> bool:
         state, h = optimizer.state[p], hypers.setdefault(id(group), hyper(group))
         with torch.no_grad():
-            wrote = ops.sgd_8bit_step_(q, local(grads[p]), local(state[CODES]), state[SCALES], h, new, rounder.seed,
-                                       rounder.step, ids[p], global_index(p), backup)
-        if not wrote:
-            bad.append(p)
-            break  # the chunk is skipped: the rest need no step
-
-    def undo():
-        for p, created, backup in reversed(done):
-            _undo(optimizer, p, created, backup)
-
-    if skip(bad, parts[0].device):
-        undo()
-        return None
-    return undo
+            return ops.sgd_8bit_step_(q, local(grads[p]), local(state[CODES]), state[SCALES], h, new, rounder.seed,
+                                      rounder.step, ids[p], global_index(p), backup)
+    return fused_update_8bit.run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer), step_one,
+                                       functools.partial(_undo, optimizer), backups)
 
 
 def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ written once, with the draws, caps and codes ``state_8bit.py`` stores; the kerne
 it overwrites, so a chunk with a non-finite weight is undone. ``AMPKIT_FUSED=0`` keeps the
 optimizer's own step. Design notes: docs/design/update-engine.md.
 """
+import functools
 import math
 from typing import Callable, Optional
 
@@ -40,23 +41,37 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
 
 
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:
-    """One AdamW / Adam step of each ``(group, p)`` of ``chunk`` (all `eligible`);
-    ``skip(bad, device)`` says whether the chunk, whose parameters ``bad`` got non-finite
-    weights here (maybe none), is skipped (on any rank). None when it was (nothing written),
-    else a function that undoes the step (until the next call with ``scratch``)."""
+    """One AdamW / Adam step of each ``(group, p)`` of ``chunk`` (all `eligible`); ``skip``,
+    ``scratch`` and the result as `run_chunk`'s."""
     bound = next(b[3] for b in state_8bit.BOUNDED if isinstance(optimizer, b[0]))
+
+    def step_one(group, p, q, created, backup) -> bool:
+        return _step_one(optimizer, group, p, q, grads[p], rounder, ids[p], bound, backup)
+    return run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer), step_one,
+                     functools.partial(_undo, optimizer))
+
+
+def run_chunk(chunk: list, scratch: dict, skip: Callable, start: Callable, step_one: Callable,
+              undo_one: Callable, backups_of: Callable = backups) -> Optional[Callable]:
+    """Step each ``(group, p)`` of ``chunk`` in an O8 kernel that backs up what it overwrites
+    (``backups_of``, in ``scratch``): ``start(p, q)`` says whether ``p``'s state was made now,
+    ``step_one(group, p, q, created, backup)`` whether it wrote (False: a non-finite weight,
+    the chunk is skipped), ``undo_one(p, created, backup)`` puts it back. ``skip(bad, device)``
+    says whether the chunk, whose parameters ``bad`` got non-finite weights here (maybe none),
+    is skipped (on any rank). None when it was (nothing written), else a function that undoes
+    the step (until the next call with ``scratch``)."""
     parts = [local(p) for _, p in chunk]
-    saved = backups([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
+    saved = backups_of([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
     done, bad = [], []
     for (group, p), q, backup in zip(chunk, parts, saved):
-        done.append((p, _start(optimizer, p, q), backup))
-        if not _step_one(optimizer, group, p, q, grads[p], rounder, ids[p], bound, backup):
+        done.append((p, start(p, q), backup))
+        if not step_one(group, p, q, done[-1][1], backup):
             bad.append(p)
             break  # the chunk is skipped: the rest need no step
 
     def undo():
         for p, created, backup in reversed(done):
-            _undo(optimizer, p, created, backup)
+            undo_one(p, created, backup)
 
     if skip(bad, parts[0].device):
         undo()
