@@ -113,16 +113,7 @@ static void adamw_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *mq, floa
 void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
                 int64_t first, uint64_t key, const float *c, float cap, uint16_t *bw, int8_t *bm,
                 uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
-    int64_t total = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(+ : total)
-    for (int t = 0; t < threads; t++) {
-        const int64_t lo = q8_cut(n * t / threads, n, first), hi = q8_cut(n * (t + 1) / threads, n, first);
-        const int64_t blk = (first + lo) / Q8_BLOCK - first / Q8_BLOCK;
-        int64_t count = 0;
-        if (hi > lo)
-            adamw_8bit_range(w + lo, grad + lo, mq + lo, ms + blk, vq + lo, vs + blk, hi - lo, first + lo, key, c,
-                             cap, bw + lo, bm + lo, bv + lo, bms + blk, bvs + blk, &count);
-        total += count;
-    }
-    *bad = total;
+    Q8_EACH_RANGE(n, first, bad, adamw_8bit_range(w + lo, grad + lo, mq + lo, ms + blk, vq + lo, vs + blk, hi - lo,
+                                                   first + lo, key, c, cap, bw + lo, bm + lo, bv + lo, bms + blk,
+                                                   bvs + blk, &count););
 }

@@ -15,6 +15,24 @@ static inline int64_t q8_cut(int64_t i, int64_t n, int64_t first) {  /* i moved 
     return b > 0 ? b : 0;
 }
 
+/* [0, n) cut into `threads` ranges at block boundaries of the full tensor (q8_cut), run on the OpenMP pool:
+   BODY sees its range [lo, hi) (not empty), blk (its first block, counted from the call's) and count (an
+   int64_t it adds its blocks with a non-finite weight to); the counts' sum goes to *bad. */
+#define Q8_EACH_RANGE(n, first, bad, BODY)                                                               \
+    do {                                                                                                 \
+        int64_t total_ = 0;                                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(+ : total_)") \
+        for (int t_ = 0; t_ < threads; t_++) {                                                           \
+            const int64_t lo = q8_cut((n) * t_ / threads, (n), (first));                                 \
+            const int64_t hi = q8_cut((n) * (t_ + 1) / threads, (n), (first));                           \
+            const int64_t blk = ((first) + lo) / Q8_BLOCK - (first) / Q8_BLOCK;                          \
+            int64_t count = 0;                                                                           \
+            if (hi > lo) { BODY }                                                                        \
+            total_ += count;                                                                             \
+        }                                                                                                \
+        *(bad) = total_;                                                                                 \
+    } while (0)
+
 static inline float q8_e4m4(uint8_t c) {  /* a uint8 code's value in units of its scale */
     float v = c >= 16 ? q8_f((uint32_t)(c + (112 << 4)) << 19) : (float)c * 0x1p-18f;
     v = c == 254 ? NAN : v;

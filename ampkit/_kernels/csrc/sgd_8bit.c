@@ -105,16 +105,6 @@ static void sgd_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *bq, float 
 /* Ranges cut at block boundaries (q8_cut), each with its own backups; mode NEW_BUFFER or BUFFER. */
 void sgd_8bit(uint16_t *w, const uint16_t *grad, int8_t *bq, float *bs, int64_t n, int64_t first, uint64_t key,
               int mode, int flags, const float *c, uint16_t *bw, int8_t *bb, float *bbs, int64_t *bad, int threads) {
-    int64_t total = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1) reduction(+ : total)
-    for (int t = 0; t < threads; t++) {
-        const int64_t lo = q8_cut(n * t / threads, n, first), hi = q8_cut(n * (t + 1) / threads, n, first);
-        const int64_t blk = (first + lo) / Q8_BLOCK - first / Q8_BLOCK;
-        int64_t count = 0;
-        if (hi > lo)
-            sgd_8bit_range(w + lo, grad + lo, bq + lo, bs + blk, hi - lo, first + lo, key, mode, flags, c, bw + lo,
-                           bb + lo, bbs + blk, &count);
-        total += count;
-    }
-    *bad = total;
+    Q8_EACH_RANGE(n, first, bad, sgd_8bit_range(w + lo, grad + lo, bq + lo, bs + blk, hi - lo, first + lo, key, mode,
+                                                 flags, c, bw + lo, bb + lo, bbs + blk, &count););
 }
