@@ -15,7 +15,7 @@ import torch
 
 from .._config.levels import HALF_DTYPES
 from .._run.overflow import all_ranks_max, parameter_names
-from . import fused_sgd_update_8bit, fused_update, fused_update_8bit, state_8bit
+from . import fused_sgd_update, fused_sgd_update_8bit, fused_update, fused_update_8bit, state_8bit
 from .chunks import ChunkedUpdate, group_settings, restore_group_settings
 from .shards import local
 
@@ -43,7 +43,7 @@ class EightBitUpdate(ChunkedUpdate):
 
     def _fused(self):
         """The fused step's module: O8's SGD for an exact ``torch.optim.SGD``, else O8's AdamW."""
-        return fused_sgd_update_8bit if fused_sgd_update_8bit.is_sgd(self.optimizer) else fused_update_8bit
+        return fused_sgd_update_8bit if fused_sgd_update.is_sgd(self.optimizer) else fused_update_8bit
 
     def _optimizer_slots(self, chunk) -> list:
         return [s for s in chunk if id(s[2]) not in self.quick]

@@ -20,7 +20,7 @@ import torch
 
 from .._kernels import compiled_sgd, compiled_update, ops
 from .._kernels.fused_sgd import Hyper
-from .fused_update import enabled
+from .fused_update import enabled, master_pair
 from .shards import global_index, like, local
 
 STATE_KEY = "momentum_buffer"
@@ -98,11 +98,7 @@ def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.T
     """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in `step_masters`: its gradient
     dense fp32, both on the CPU, an `exact_group` not being traced by ``torch.compile``, a float32
     buffer (if any)."""
-    grad = master.grad
-    if (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32 or grad.dtype != torch.float32
-            or grad.is_sparse or master.shape != param.shape or local(master).device.type != "cpu"
-            or local(param).device.type != "cpu" or not exact_group(optimizer, group)
-            or torch.compiler.is_compiling()):
+    if not master_pair(master, param) or not exact_group(optimizer, group) or torch.compiler.is_compiling():
         return False
     return _state_as_kept(optimizer.state.get(master), master, torch.float32)
 

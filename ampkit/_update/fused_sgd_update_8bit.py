@@ -13,18 +13,13 @@ import torch
 
 from .._kernels import ops
 from .._kernels.fused_adamw_8bit import BLOCK, span
-from .._kernels.fused_sgd import Hyper
 from .._kernels.fused_sgd_8bit import backups, restore_
 from . import fused_update_8bit, state_8bit
+from .fused_sgd_update import exact_group, hyper
 from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
 
 CODES, SCALES = "momentum_buffer" + state_8bit.CODES, "momentum_buffer" + state_8bit.SCALES
-
-
-def is_sgd(optimizer) -> bool:
-    """``optimizer`` is an exact ``torch.optim.SGD`` (not a subclass)."""
-    return type(optimizer) is torch.optim.SGD
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -32,7 +27,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     does not do (differentiable, fused), a bf16 CPU parameter with a dense bf16 gradient, no
     block of its full tensor split between ranks' parts (as `fused_update_8bit.eligible`), and
     its buffer (if any) as ``state_8bit`` packs it."""
-    if (not is_sgd(optimizer) or group["momentum"] == 0 or group.get("differentiable") or group.get("fused")
+    if (not exact_group(optimizer, group) or group["momentum"] == 0
             or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
             or local(p).device.type != "cpu" or not whole_blocks(p, BLOCK)):
         return False
@@ -43,12 +38,6 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     return (set(state) == {CODES, SCALES} and local(state[CODES]).dtype == torch.int8
             and local(state[CODES]).shape == q.shape and state[SCALES].dtype == torch.float32
             and state[SCALES].numel() == span(q.numel(), global_index(p)))
-
-
-def hyper(group: dict) -> Hyper:
-    """The `Hyper` of ``group``, read at each step (schedulers change ``lr``)."""
-    return Hyper(float(group["lr"]), float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                 bool(group["nesterov"]), bool(group.get("maximize", False)))
 
 
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:

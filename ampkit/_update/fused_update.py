@@ -67,12 +67,18 @@ def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tens
 def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in `step_masters`: its
     gradient dense fp32, both on the CPU, an exact AdamW / Adam, fp32 state (if any)."""
-    grad = master.grad
-    if (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32 or grad.dtype != torch.float32
-            or grad.is_sparse or master.shape != param.shape or local(master).device.type != "cpu"
-            or local(param).device.type != "cpu" or not plain_group(optimizer, group)):
+    if not master_pair(master, param) or not plain_group(optimizer, group):
         return False
     return _state_as_kept(optimizer.state.get(master), master, torch.float32)
+
+
+def master_pair(master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether fp32 ``master`` of bf16 model ``param`` is what the fused master kernels take: a
+    dense fp32 gradient, the same shape, both on the CPU (whatever the optimizer)."""
+    grad = master.grad
+    return not (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32
+                or grad.dtype != torch.float32 or grad.is_sparse or master.shape != param.shape
+                or local(master).device.type != "cpu" or local(param).device.type != "cpu")
 
 
 def plain_group(optimizer, group: dict) -> bool:
