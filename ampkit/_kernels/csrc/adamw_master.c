@@ -35,33 +35,20 @@ void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w
     EACH_RANGE(n, lo, hi, adamw_master_range(x + lo, grad + lo, ms + lo, vs + lo, w ? w + lo : NULL, hi - lo, c);)
 }
 
-/* One remainder master's step: its float32 bits B stepped into x.f[J] (m, v of element I written). */
-#define REMAINDER_STEP(I, J, B) {                                                                 \
+/* One remainder master's step: its float32 bits B stepped into X (m, v of element I written). */
+#define REMAINDER_STEP(I, B, X) {                                                                 \
         float p, g = widen(grad[I]), m = ms[I], v = vs[I];                                        \
         const uint32_t b_ = (B); memcpy(&p, &b_, 4);                                              \
         MASTER_STEP(p, g, m, v)                                                                   \
-        ms[I] = m; vs[I] = v; x.f[J] = p; }
+        ms[I] = m; vs[I] = v; X = p; }
 
-/* Remainder masters (remainder.h): elements [first, first + n) of one tensor; each block's masters are combined
-   from (w, r, the ascending side table), stepped (in one loop with the combine where the table lists none of the
-   block) and split back; the new table's entries of this range go to found (at most cap; the call stops before a
-   block that might not fit there). Returns the elements done, n unless found filled up. */
+/* Remainder masters (remainder.h's REMAINDER_BLOCKS): elements [first, first + n) of one tensor stepped; the new
+   table's entries of this range go to found (at most cap). Returns the elements done, n unless found filled up. */
 static int64_t adamw_remainder_range(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad, float *restrict ms,
                         float *restrict vs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
                         int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const float *restrict c) {
     const int l2 = c[1] != 0.0f;
-    int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;
-    rblock x;
-    for (; lo < n && cap - k >= RBLOCK; lo += RBLOCK) {
-        const int64_t len = n - lo < RBLOCK ? n - lo : RBLOCK;
-        if (combine_listed(w + lo, r + lo, len, first + lo, table, ntable, &t, x.u))
-            for (int64_t j = 0; j < len; j++) REMAINDER_STEP(lo + j, j, x.u[j])
-        else
-            for (int64_t j = 0; j < len; j++) REMAINDER_STEP(lo + j, j, combined(w[lo + j], r[lo + j]))
-        k += split_block(w + lo, r + lo, x.u, len, first + lo, found + k);
-    }
-    *nfound = k;
-    return lo < n ? lo : n;
+    REMAINDER_BLOCKS(REMAINDER_STEP)
 }
 
 /* adamw_remainder_range over elements [first, first + n) of one tensor in `threads` ranges: range t's entries go to

@@ -1,5 +1,5 @@
 /* Remainder masters' bits (_kernels/remainder.py, docs/design/memory-levels.md): the combine and the split of
-   a block, shared by the kernels that step them (adamw_master.c, sgd_remainder.c). */
+   a block and the loop over the blocks, shared by the kernels that step them (adamw_master.c, sgd_remainder.c). */
 #ifndef AMPKIT_REMAINDER_H
 #define AMPKIT_REMAINDER_H
 
@@ -53,5 +53,27 @@ static inline int64_t split_block(uint16_t *restrict w, int16_t *restrict r, con
             if ((x[j] & 0x1FFFFu) == 0x7FFFu && (x[j] & 0x7FFFFFFFu) < 0x7F800000u) found[k++] = at + j;
     return k;
 }
+
+/* The body of a remainder range function with parameters w, r, n, first, table, ntable, found, cap, nfound (elements
+   [first, first + n) of one tensor): each block's masters are combined from (w, r, the ascending side table),
+   stepped by STEP(I, B, X) (element I's master, bits B, stepped into the float X; in one loop with the combine where
+   the table lists none of the block) and split back; the new table's entries go to found (at most cap; it stops
+   before a block that might not fit there), their count to *nfound. Returns the elements done, n unless found
+   filled up. */
+#define REMAINDER_BLOCKS(STEP)                                                                                   \
+    {                                                                                                           \
+        int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;                                        \
+        rblock x;                                                                                               \
+        for (; lo < n && cap - k >= RBLOCK; lo += RBLOCK) {                                                     \
+            const int64_t len = n - lo < RBLOCK ? n - lo : RBLOCK;                                              \
+            if (combine_listed(w + lo, r + lo, len, first + lo, table, ntable, &t, x.u))                        \
+                for (int64_t j = 0; j < len; j++) STEP(lo + j, x.u[j], x.f[j])                                  \
+            else                                                                                                \
+                for (int64_t j = 0; j < len; j++) STEP(lo + j, combined(w[lo + j], r[lo + j]), x.f[j])          \
+            k += split_block(w + lo, r + lo, x.u, len, first + lo, found + k);                                  \
+        }                                                                                                       \
+        *nfound = k;                                                                                            \
+        return lo < n ? lo : n;                                                                                 \
+    }
 
 #endif

@@ -3,31 +3,20 @@
 #include "remainder.h"
 #include "sgd.h"
 
-/* Elements [first, first + n) of one tensor, the buffer mode a constant of each loop (always_inline'd three times);
-   bufs NULL in mode NO_BUFFER. The new table's entries go to found (at most cap; the call stops before a block that
-   might not fit there). Returns the elements done, n unless found filled up. */
+/* Elements [first, first + n) of one tensor (remainder.h's REMAINDER_BLOCKS), the buffer mode a constant of each
+   loop (always_inline'd three times); bufs NULL in mode NO_BUFFER. The new table's entries go to found (at most
+   cap). Returns the elements done, n unless found filled up. */
 INLINE int64_t range_in_mode(uint16_t *restrict w, int16_t *restrict r, const uint16_t *restrict grad,
                              float *restrict bufs, int64_t n, int64_t first, const int64_t *restrict table, int64_t ntable,
                              int64_t *restrict found, int64_t cap, int64_t *restrict nfound, const int mode, int flags,
                              const float *restrict c) {
-    int64_t t = first_at_least(table, ntable, first), k = 0, lo = 0;
-    rblock x;
-#define STEP(I, J, B) {                                                                          \
+#define STEP(I, B, X) {                                                                          \
         float p, b = mode == BUFFER ? bufs[I] : 0.0f;                                            \
         const uint32_t u_ = (B); memcpy(&p, &u_, 4);                                             \
-        x.f[J] = sgd_step(p, widen(grad[I]), &b, mode, flags, c);                                \
+        X = sgd_step(p, widen(grad[I]), &b, mode, flags, c);                                     \
         if (mode != NO_BUFFER) bufs[I] = b; }
-    for (; lo < n && cap - k >= RBLOCK; lo += RBLOCK) {
-        const int64_t len = n - lo < RBLOCK ? n - lo : RBLOCK;
-        if (combine_listed(w + lo, r + lo, len, first + lo, table, ntable, &t, x.u))
-            for (int64_t j = 0; j < len; j++) STEP(lo + j, j, x.u[j])
-        else
-            for (int64_t j = 0; j < len; j++) STEP(lo + j, j, combined(w[lo + j], r[lo + j]))
-        k += split_block(w + lo, r + lo, x.u, len, first + lo, found + k);
-    }
+    REMAINDER_BLOCKS(STEP)
 #undef STEP
-    *nfound = k;
-    return lo < n ? lo : n;
 }
 
 static int64_t sgd_remainder_range(uint16_t *w, int16_t *r, const uint16_t *grad, float *bufs, int64_t n, int64_t first,
