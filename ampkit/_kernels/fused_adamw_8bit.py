@@ -14,7 +14,7 @@ from .fused_adamw import Hyper, arithmetic
 from .ieee import sqrt
 from .rounding import round_counter_
 
-__all__ = ["BLOCK", "span", "step_", "restore_", "backups"]
+__all__ = ["BLOCK", "span", "step_", "step_flat_", "restore_", "backups"]
 
 BLOCK = 256
 
@@ -84,21 +84,33 @@ def step_(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: in
         raise ValueError(f"fused_adamw_8bit.step_: codes of w's shape {tuple(w.shape)} and {span(n, first)} scales "
                          f"each expected (first={first}), got {tuple(mq.shape)}, {tuple(vq.shape)}, "
                          f"{ms.numel()} and {vs.numel()}.")
+    return step_flat_([w, grad, mq, ms, vq, vs], (0, 2, 4, 3, 5), backup, backups, lib, step_native, step_eager,
+                      hyper, cap, seed, step, tensor, first=first)
+
+
+def step_flat_(tensors: list, backed: tuple, backup: Optional[tuple], backups_of, lib: Optional[ctypes.CDLL],
+               native_step, eager_step, *args, first: int) -> bool:
+    """An O8 step of ``tensors`` (the weight from global index ``first``, its gradient, then the
+    state; nothing to do when empty) on flat contiguous views: ``native_step(lib, *views, *args,
+    first, backup)`` on CPU with ``lib``, else the views numbered ``backed`` copied to ``backup``
+    and ``eager_step(*views, *args, first)``; ``backup``: fresh ``backups_of`` buffers when None.
+    When it wrote, the copies of non-contiguous tensors (but the gradient) are copied back.
+    Whether it wrote."""
+    n = tensors[0].numel()
     if n == 0:
         return True
-    backup = backups([(n, span(n, first))], {})[0] if backup is None else backup
-    tensors = [w, grad, mq, ms, vq, vs]
+    backup = backups_of([(n, span(n, first))], {})[0] if backup is None else backup
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     views = [f.view(-1) for f in flat]
-    if lib is not None and w.device.type == "cpu":
-        wrote = step_native(lib, *views, hyper, cap, seed, step, tensor, first, backup)
+    if lib is not None and tensors[0].device.type == "cpu":
+        wrote = native_step(lib, *views, *args, first, backup)
     else:
-        for b, t in zip(backup, (views[0], views[2], views[4], views[3], views[5])):
-            b.copy_(t)
-        wrote = step_eager(*views, hyper, cap, seed, step, tensor, first)
+        for b, i in zip(backup, backed):
+            b.copy_(views[i])
+        wrote = eager_step(*views, *args, first)
     if wrote:
         for t, f in zip(tensors, flat):
-            if f is not t and t is not grad:
+            if f is not t and t is not tensors[1]:
                 t.copy_(f)
     return wrote
 
@@ -109,16 +121,17 @@ def restore_(w, mq, ms, vq, vs, backup: tuple) -> None:
         t.copy_(b.view(t.shape))
 
 
-def backups(sizes, scratch: dict) -> list:
-    """Backup buffers ``(w, m codes, v codes, m scales, v scales)`` for each ``(elements,
-    blocks)`` of ``sizes``, carved from flat buffers kept in ``scratch`` (grown when too small)."""
-    n, blocks = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
-    if scratch.get("n", -1) < n or scratch.get("blocks", -1) < blocks:
-        scratch.update(n=n, blocks=blocks, w=torch.empty(n, dtype=torch.bfloat16), mq=torch.empty(n, dtype=torch.int8),
-                       vq=torch.empty(n, dtype=torch.uint8), s=torch.empty(2 * blocks))
+def backups(sizes, scratch: dict, codes: tuple = (torch.int8, torch.uint8)) -> list:
+    """Backup buffers for each ``(elements, blocks)`` of ``sizes``: the bf16 weight, codes of each
+    dtype of ``codes``, then the float32 scales of each (by default AdamW's ``(w, m codes, v codes,
+    m scales, v scales)``), carved from flat buffers kept in ``scratch`` (grown when too small)."""
+    n, blocks, c = sum(s[0] for s in sizes), sum(s[1] for s in sizes), len(codes)
+    if scratch.get("n", -1) < n or scratch.get("blocks", -1) < blocks or scratch.get("codes") != codes:
+        scratch.update(n=n, blocks=blocks, codes=codes, w=torch.empty(n, dtype=torch.bfloat16),
+                       q=[torch.empty(n, dtype=d) for d in codes], s=torch.empty(c * blocks))
     out, at, bt = [], 0, 0
     for k, b in sizes:
-        out.append((scratch["w"][at:at + k], scratch["mq"][at:at + k], scratch["vq"][at:at + k],
-                    scratch["s"][2 * bt:2 * bt + b], scratch["s"][2 * bt + b:2 * bt + 2 * b]))
+        out.append((scratch["w"][at:at + k], *(q[at:at + k] for q in scratch["q"]),
+                    *(scratch["s"][c * bt + i * b:c * bt + (i + 1) * b] for i in range(c))))
         at, bt = at + k, bt + b
     return out

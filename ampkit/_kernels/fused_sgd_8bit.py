@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from . import counter_bits, native
+from . import counter_bits, fused_adamw_8bit, native
 from .blockquant import counter_draws, dequantize, quantize_
-from .fused_adamw_8bit import BLOCK, span
+from .fused_adamw_8bit import BLOCK, span, step_flat_
 from .fused_sgd import BUFFER, NEW_BUFFER, Hyper, arithmetic
 from .rounding import round_counter_
 
@@ -65,23 +65,8 @@ def step_(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor
         raise ValueError(f"fused_sgd_8bit.step_: grad and codes of w's shape {tuple(w.shape)} and {span(n, first)} "
                          f"scales expected (first={first}), got {tuple(grad.shape)}, {tuple(bq.shape)} and "
                          f"{bs.numel()}.")
-    if n == 0:
-        return True
-    backup = backups([(n, span(n, first))], {})[0] if backup is None else backup
-    tensors = [w, grad, bq, bs]
-    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    views = [f.view(-1) for f in flat]
-    if lib is not None and w.device.type == "cpu":
-        wrote = step_native(lib, *views, hyper, new, seed, step, tensor, first, backup)
-    else:
-        for b, t in zip(backup, (views[0], views[2], views[3])):
-            b.copy_(t)
-        wrote = step_eager(*views, hyper, new, seed, step, tensor, first)
-    if wrote:
-        for t, f in zip(tensors, flat):
-            if f is not t and t is not grad:
-                t.copy_(f)
-    return wrote
+    return step_flat_([w, grad, bq, bs], (0, 2, 3), backup, backups, lib, step_native, step_eager,
+                      hyper, new, seed, step, tensor, first=first)
 
 
 def restore_(w, bq, bs, backup: tuple) -> None:
@@ -91,14 +76,6 @@ def restore_(w, bq, bs, backup: tuple) -> None:
 
 
 def backups(sizes, scratch: dict) -> list:
-    """Backup buffers ``(w, codes, scales)`` for each ``(elements, blocks)`` of ``sizes``, carved
-    from flat buffers kept in ``scratch`` (grown when too small)."""
-    n, blocks = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
-    if scratch.get("n", -1) < n or scratch.get("blocks", -1) < blocks:
-        scratch.update(n=n, blocks=blocks, w=torch.empty(n, dtype=torch.bfloat16), q=torch.empty(n, dtype=torch.int8),
-                       s=torch.empty(blocks))
-    out, at, bt = [], 0, 0
-    for k, b in sizes:
-        out.append((scratch["w"][at:at + k], scratch["q"][at:at + k], scratch["s"][bt:bt + b]))
-        at, bt = at + k, bt + b
-    return out
+    """Backup buffers ``(w, codes, scales)`` for each ``(elements, blocks)`` of ``sizes``
+    (`fused_adamw_8bit.backups` with one int8 code)."""
+    return fused_adamw_8bit.backups(sizes, scratch, (torch.int8,))
