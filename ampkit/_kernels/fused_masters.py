@@ -133,17 +133,28 @@ def step_remainder_table_(w, r, grad, m, v, hyper: Hyper, table: torch.Tensor,
     tensors = [w, r, grad, m, v]
     _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32], "step_remainder_",
            ["w", "r", "grad", "m", "v"])
+    return stepped_table(tensors, table, lib, [0, 1, 3, 4], lambda: step_remainder_eager(w, r, grad, m, v, hyper),
+                         lambda flat, table: step_remainder_native(lib, *flat, hyper, table))
+
+
+def stepped_table(tensors: list, table: torch.Tensor, lib: Optional[ctypes.CDLL], written: list, eager_step,
+                  native_step) -> torch.Tensor:
+    """The new side table of a remainder step of ``tensors`` (``w``, ``r``, then the others; checked)
+    from ``table``: ``native_step(flat, table)`` on CPU with ``lib`` (``flat``: the tensors, or
+    contiguous copies, those numbered ``written`` copied back; ``table`` ascending), else
+    ``eager_step()`` with ``table`` set on ``r``."""
+    w, r = tensors[:2]
     if w.numel() == 0:
         return table
     if lib is None or w.device.type != "cpu":
         set_side_table(r, table)
-        step_remainder_eager(w, r, grad, m, v, hyper)
+        eager_step()
         return side_table(r)
     table = ascending(table).contiguous()
     if all(t.is_contiguous() for t in tensors):  # the usual case: no copies
-        return step_remainder_native(lib, w, r, grad, m, v, hyper, table)
-    with _contiguous(tensors, written=[0, 1, 3, 4]) as flat:
-        return step_remainder_native(lib, *flat, hyper, table)
+        return native_step(tensors, table)
+    with _contiguous(tensors, written=written) as flat:
+        return native_step(flat, table)
 
 
 def ascending(table: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .fused_masters import _check, _contiguous, addresses, ascending, captured
+from .fused_masters import _check, addresses, captured, stepped_table
 from .fused_sgd import BUFFER, NEW_BUFFER, NO_BUFFER, Hyper, step_master_eager
 from .remainder import combine, set_side_table, side_table, split_
 
@@ -54,14 +54,7 @@ def step_table_(w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tensor,
     tensors = [w, r, grad] + ([] if buf is None else [buf])
     _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32], "sgd remainder step_",
            ["w", "r", "grad", "buf"])
-    if w.numel() == 0:
-        return table
-    if lib is None or w.device.type != "cpu":
-        set_side_table(r, table)
-        step_eager(w, r, grad, buf, hyper, new)
-        return side_table(r)
-    table = ascending(table).contiguous()
-    if all(t.is_contiguous() for t in tensors):
-        return step_native(lib, w, r, grad, buf, hyper, new, table)
-    with _contiguous(tensors, written=[0, 1, 3]) as flat:
+
+    def native_step(flat, table):
         return step_native(lib, *flat[:3], flat[3] if buf is not None else None, hyper, new, table)
+    return stepped_table(tensors, table, lib, [0, 1, 3], lambda: step_eager(w, r, grad, buf, hyper, new), native_step)
