@@ -3,6 +3,7 @@ import contextlib
 
 import torch
 
+from .._common.dynamo import eager_under_compile
 from .._common.logs import logger
 from .._initialize.request import as_list
 from .._optim.optimizer_state import OptimizerState
@@ -30,24 +31,46 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         delay_overflow_check: postpone the host sync that decides the skip to
             ``optimizer.step()``.
     """
-    opts, _ = as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
-    _notice_plain_accelerators(opts)
-    opts = [unwrap(o) for o in opts]
-    run = _run_of(opts)
-    if not run.enabled:
+    block = _open_block(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
+    if block is None:
         yield loss
         return
-    scaler = run.scalers[_check_args(run, loss, loss_id, delay_unscale, delay_overflow_check)]
-    states = list({id(o): o._ampkit for o in opts}.values())  # an optimizer listed twice counts once
-    OptimizerState.begin_backward(states, scaler)
-    scale = scaler.loss_scale()
+    states, scaler, scale = block
     try:
         yield loss.float() * scale if scale != 1.0 else loss.float()
     except BaseException:
         # A batch dropped inside the block: whatever backward wrote still carries the
         # scale. Record it, so zero_grad() discards it and a later backward unscales it.
-        OptimizerState.hold_scaled(states, scaler)
+        _drop_block(states, scaler)
         raise
+    _close_block(states, scaler, scale, delay_unscale, delay_overflow_check)
+
+
+@eager_under_compile
+def _open_block(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
+    """The arguments checked and the optimizers' stages moved into the block: ``(states, scaler,
+    scale)``, or None where ampkit is disabled (the loss goes through as it is)."""
+    opts, _ = as_list(optimizers, "scale_loss(optimizers=...)", (torch.optim.Optimizer, OptimizerLike), "an optimizer or a list of optimizers")
+    _notice_plain_accelerators(opts)
+    opts = [unwrap(o) for o in opts]
+    run = _run_of(opts)
+    if not run.enabled:
+        return None
+    scaler = run.scalers[_check_args(run, loss, loss_id, delay_unscale, delay_overflow_check)]
+    states = list({id(o): o._ampkit for o in opts}.values())  # an optimizer listed twice counts once
+    OptimizerState.begin_backward(states, scaler)
+    return states, scaler, scaler.loss_scale()
+
+
+@eager_under_compile
+def _drop_block(states, scaler) -> None:
+    """The block left by an exception: its gradients held, still scaled."""
+    OptimizerState.hold_scaled(states, scaler)
+
+
+@eager_under_compile
+def _close_block(states, scaler, scale, delay_unscale, delay_overflow_check) -> None:
+    """The block's gradients unscaled and checked (held scaled with ``delay_unscale``)."""
     if delay_unscale:
         OptimizerState.hold_scaled(states, scaler, widen=True)
         return
@@ -57,7 +80,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             return  # FSDP2 accumulates them unsharded (no sync): the synchronizing backward's block unscales
         OptimizerState.hold_scaled(states, scaler)
         raise RuntimeError(_unreached(states, scale))
-    check = OverflowCheck(run, scaler, states)
+    check = OverflowCheck(states[0].run, scaler, states)
     for st in states:
         st.unscale(check, 1.0 / scale)
     reduce_windows(states)

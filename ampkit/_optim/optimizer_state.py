@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .._config.levels import HALF_DTYPES
+from .._common.dynamo import eager_under_compile
 from .._kernels.unscale import copy_unscale_and_check_, unscale_and_check_
 from .._parallel.ddp_windows import mark_windows, reduce_windows
 from .._run.overflow import OverflowCheck
@@ -123,7 +124,7 @@ class OptimizerState:
         # torch's step hooks can neither skip nor replace the step, and torch has no hooks for
         # zero_grad or add_param_group: these three are wrapped on the instance.
         self.update = update(self)
-        opt.step = _wrapped_step(opt, opt.step, _eager_step() if self.update.eager_under_compile else _step)
+        opt.step = _wrapped_step(opt, opt.step, _eager_step if self.update.eager_under_compile else _step)
         opt.zero_grad = types.MethodType(_zero_grad, opt)
         opt.add_param_group = types.MethodType(_add_param_group, opt)
         self.update.attach()
@@ -486,15 +487,6 @@ def _coalesced(param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-@functools.lru_cache(maxsize=None)
-def _eager_step():
-    """``_step`` run eagerly inside a compiled step, for the chunked updates (O7, O8, remainder
-    masters), whose per-step gradient and state swaps in Python Dynamo would re-trace every step.
-    Made on the first ``initialize`` of such a level, not at import: ``torch.compiler.disable``
-    imports ``torch._dynamo``. Dynamo skips the whole call (one frame, no graph break inside)."""
-    return torch.compiler.disable(_step)
-
-
 def _wrapped_step(optimizer, previous, step_fn):
     """``optimizer.step`` for the instance: ``step_fn`` bound, unless an LR scheduler created
     before ``initialize`` had already wrapped ``step``; then a function that keeps the
@@ -535,6 +527,12 @@ def _step(optimizer, closure=None):
 
 
 
+# The chunked updates (O7, O8, remainder masters) step eagerly inside a compiled step: their
+# per-step gradient and state swaps in Python would re-trace every step.
+_eager_step = eager_under_compile(_step)
+
+
+@eager_under_compile
 def _zero_grad(optimizer, set_to_none: Optional[bool] = None):
     """``optimizer.zero_grad()``: clears model and master gradients alike (to None unless the
     optimizer says otherwise: Apex's FusedSGD stand-in zeroes them, ``set_grad_none=False``)."""

@@ -365,3 +365,50 @@ def test_a_compiled_o8_step_gives_the_eager_steps_bits():
         assert st.keys() == eager_st.keys()
         for name, value in st.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(eager_st[name])), name
+
+
+EAGER_CALLS = ("_zero_grad", "_open_block", "_close_block", "_drop_block", "_step")  # run eagerly, never traced
+
+
+def _whole_step_run(level: str, compiled: bool, steps: int = 4):
+    """Losses and final weights of ``steps`` training steps written as one function (zero_grad,
+    forward, scale_loss with the backward, step), compiled whole or not; the graph breaks and
+    the frames Dynamo traced when compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, verbosity=0)
+    batches, _ = _batches()
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        return loss.detach()
+
+    step = torch.compile(train_step, backend="aot_eager") if compiled else train_step
+    losses = torch.stack([step(x["x"].bfloat16(), y) for x, y in batches[:steps]])
+    weights = [p.detach().float() for p in model.parameters()]
+    return losses, weights, dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("level", ["O5", "O7"])
+def test_a_wholly_compiled_training_step_traces_none_of_ampkits_bookkeeping(level):
+    """The loop's calls (zero_grad, scale_loss's entry and exit, a chunked level's step) are
+    skipped whole by Dynamo: its graph breaks are at those calls only (none inside them at a
+    ctypes call, a file check or the backward); at O7 one graph holds the forward (O5's step is
+    torch.optim's, which Dynamo compiles in graphs of its own), and the compiled step trains
+    as the eager one does."""
+    eager_losses, eager_weights, _, _ = _whole_step_run(level, compiled=False)
+    losses, weights, breaks, graphs = _whole_step_run(level, compiled=True)
+    for reason in breaks:
+        assert "marked as skipped" in reason and any(f"qualname: {name}," in reason for name in EAGER_CALLS), reason
+    assert graphs == 1 or level == "O5"
+    torch.testing.assert_close(losses, eager_losses, rtol=TOL[level], atol=TOL[level])
+    assert losses[-1] < losses[0]  # it trained
+    for w, e in zip(weights, eager_weights):
+        torch.testing.assert_close(w, e, rtol=TOL[level], atol=STATE_ATOL[level])
