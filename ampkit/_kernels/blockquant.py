@@ -126,16 +126,19 @@ def _values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return values.to(device)
 
 
-def counter_draws(out: torch.Tensor, seed: int, step: int, tensor: int, stream: int, index: Index) -> torch.Tensor:
+def counter_draws(out: torch.Tensor, seed: int, step: int, tensor: int, stream: int, index: Index,
+                  paired: bool = False) -> torch.Tensor:
     """Fill int32 ``out`` (flat) with uniform 24-bit integers: the counter bits
     `counter_bits.draws24` of ``(seed, step, tensor, stream)`` (``stream`` 1, 2, ...) at the elements ``index,
-    index + 1, ...`` (an int), or at ``index`` (an int64 tensor of ``out``'s size); return it.
+    index + 1, ...`` (an int), or at ``index`` (an int64 tensor of ``out``'s size); ``paired`` (a
+    parameter's one state, ``stream`` 1): `counter_bits.paired16`'s 16 bits as the top of 24. Return it.
     In blocks, so the int64 words stay in cache."""
     index = index.reshape(-1).to(out.device) if torch.is_tensor(index) else index
     for lo in range(0, out.numel(), _DRAW_BLOCK):
         hi = min(out.numel(), lo + _DRAW_BLOCK)
         at = index[lo:hi] if torch.is_tensor(index) else index + lo
-        out[lo:hi] = counter_bits.draws24(seed, step, tensor, stream, at, hi - lo, out.device)
+        out[lo:hi] = (counter_bits.paired16(seed, step, tensor, stream, at, hi - lo, out.device).bitwise_left_shift_(8)
+                      if paired else counter_bits.draws24(seed, step, tensor, stream, at, hi - lo, out.device))
     return out
 
 

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-__all__ = ["GAMMA", "mix64", "key", "words", "draws24", "shift24", "draws16", "shift16"]
+__all__ = ["GAMMA", "mix64", "key", "words", "halves", "draws24", "shift24", "draws16", "shift16", "paired16"]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -60,6 +60,15 @@ def words(k: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
     return z.bitwise_xor_(_shr(z, 31))
 
 
+def halves(k: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
+    """The 32 bits (int64) of each element of ``index`` (as in `words`) where elements ``2i`` and
+    ``2i + 1`` share word ``i``: its low half and its high half."""
+    if isinstance(index, int):
+        index = torch.arange(index, index + n, dtype=torch.int64, device=device)
+    z = words(k, index.bitwise_right_shift(1))
+    return _shr(z, 32).where(index.bitwise_and(1).bool(), z).bitwise_and_(0xFFFFFFFF)
+
+
 def draws24(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
     """Uniform 24-bit integers (int64, ``[0, 2**24)``) of state ``stream`` (1, 2, ...): for the
     elements ``index`` (int64 tensor) or the run of ``n`` from ``index`` (int): bits `shift24`
@@ -86,3 +95,13 @@ def draws16(seed: int, step: int, tensor: int, stream: int, index: Index, n: int
 def shift16(stream: int) -> int:
     """Where the 16-bit draws of ``stream`` start in their word."""
     return 16 * (stream % 4)
+
+
+def paired16(seed: int, step: int, tensor: int, stream: int, index: Index, n: int = 0, device=None) -> torch.Tensor:
+    """O8's draws for a parameter with one 8-bit state (an exact SGD's momentum): uniform 16-bit
+    integers (int32) of ``stream`` 0 (the weight: bits 0..15) or 1 (the state: bits 16..31) of the
+    element's `halves` of word stream 0, one hash for two elements."""
+    if stream not in (0, 1):
+        raise ValueError(f"paired16: stream={stream}: the paired draws are of the weight (0) and one state (1).")
+    z = halves(key(seed, step, tensor, 0), index, n, device)
+    return (z.bitwise_right_shift_(16) if stream else z.bitwise_and_(0xFFFF)).to(torch.int32)

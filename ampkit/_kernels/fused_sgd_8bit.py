@@ -28,8 +28,8 @@ def step_eager(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, t
     p, buf = arithmetic(w, grad, buf, hyper, new)
     if not bool(p.isfinite().all()):
         return False
-    round_counter_(w, p, seed, step, tensor, 0, first)
-    draws = padded(counter_draws(torch.empty(n, dtype=torch.int32), seed, step, tensor, 1, first), torch.int32)
+    round_counter_(w, p, seed, step, tensor, 0, first, paired=True)
+    draws = padded(counter_draws(torch.empty(n, dtype=torch.int32), seed, step, tensor, 1, first, paired=True), torch.int32)
     codes = torch.empty(lead + n, dtype=torch.int8)
     quantize_(codes, bs, padded(buf), draws, BLOCK)
     bq.copy_(codes[lead:])

@@ -51,31 +51,38 @@ def round_all_to_bf16_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], gener
 
 
 def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, tensor: int, stream: int,
-                   index: Index, lib=None) -> torch.Tensor:
+                   index: Index, lib=None, paired: bool = False) -> torch.Tensor:
     """Write float32 ``src`` into bfloat16 ``dst`` (same shape), rounded stochastically with the
     counter bits of ``(seed, step, tensor, element, stream)``: the element indices are
     ``index + k`` for the ``k``-th element of ``src`` in row-major order, or ``index`` itself
-    (an int64 tensor of ``src``'s size). With ``lib`` (``native.library()``) on CPU in one
-    pass of its C kernel, else in torch ops (the same bits); ``src`` may be overwritten."""
+    (an int64 tensor of ``src``'s size); ``paired`` (O8's weights with one 8-bit state, stream 0):
+    `counter_bits.paired16`'s bits. With ``lib`` (``native.library()``) on CPU in one pass of its
+    C kernel, else in torch ops (the same bits); ``src`` may be overwritten."""
     if src.dtype != torch.float32 or dst.dtype != torch.bfloat16 or src.shape != dst.shape:
         raise TypeError(f"round_counter_: expected a bfloat16 dst and a float32 src of one shape, got "
                         f"{dst.dtype} {tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}.")
+    if paired and stream != 0:
+        raise ValueError(f"round_counter_(paired=True, stream={stream}): the paired bits round weights, stream 0.")
     n = src.numel()
     if n == 0:
         return dst
     run = src.reshape(-1)
     out = dst.view(-1) if dst.is_contiguous() else torch.empty(n, dtype=torch.bfloat16, device=dst.device)
     if lib is not None and isinstance(index, int) and src.device.type == "cpu":
-        k = native.u64(counter_bits.key(seed, step, tensor, stream // 4))
-        shift = ctypes.c_int(counter_bits.shift16(stream))
-        lib.round_bf16(native.ptr(run), native.ptr(out), ctypes.c_int64(n), ctypes.c_int64(index), k, shift, native.threads(n))
+        args = (native.ptr(run), native.ptr(out), ctypes.c_int64(n), ctypes.c_int64(index),
+                native.u64(counter_bits.key(seed, step, tensor, stream // 4)))
+        if paired:
+            lib.round_bf16_paired(*args, native.threads(n))
+        else:
+            lib.round_bf16(*args, ctypes.c_int(counter_bits.shift16(stream)), native.threads(n))
     else:
         index = index.reshape(-1).to(src.device) if torch.is_tensor(index) else index
         bits = run.view(torch.int32)
+        draws = counter_bits.paired16 if paired else counter_bits.draws16
         for lo in range(0, n, BLOCK):  # blocks that stay in cache: 10x faster than whole-tensor int64 passes
             hi = min(n, lo + BLOCK)
             at = index[lo:hi] if torch.is_tensor(index) else index + lo
-            bits[lo:hi].add_(counter_bits.draws16(seed, step, tensor, stream, at, hi - lo, src.device)).bitwise_and_(_KEEP)
+            bits[lo:hi].add_(draws(seed, step, tensor, stream, at, hi - lo, src.device)).bitwise_and_(_KEEP)
         out.copy_(run)  # exact: the dropped bits are zero
     if out.data_ptr() != dst.data_ptr():
         dst.copy_(out.view(dst.shape))
@@ -98,14 +105,14 @@ class StochasticRounder:
         self.step = 0
 
     def round_(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor], tensors: List[int],
-               index: List[Index], stream: int = 0) -> None:
+               index: List[Index], stream: int = 0, paired: bool = False) -> None:
         """``dsts[i] = srcs[i]`` (float32 into bfloat16) rounded stochastically with the bits of
         ``(seed, step, tensors[i], element, stream)``, where ``index[i]`` is the index of the
         first element of ``srcs[i]`` in its full parameter (or every element's, an int64
-        tensor); ``srcs`` may be overwritten."""
+        tensor); ``paired``: `round_counter_`'s; ``srcs`` may be overwritten."""
         lib = native.library() if any(s.device.type == "cpu" for s in srcs) else None
         for dst, src, tensor, first in zip(dsts, srcs, tensors, index):
-            round_counter_(dst, src, self.seed, self.step, tensor, stream, first, lib)
+            round_counter_(dst, src, self.seed, self.step, tensor, stream, first, lib, paired)
 
     def advance(self) -> None:
         """One more step rounded: the next `round_` draws new bits."""

@@ -52,6 +52,7 @@ class ChunkedUpdate(OptimizerUpdate):
         self.ids = {}  # parameter -> its index among the optimizer's (the counter bits' tensor)
         self.skipped_chunks = 0  # this step's chunks that wrote nothing (non-finite weights)
         self.fused_on = True  # `fused_update.enabled()` this step
+        self.paired_bits = False  # O8's weights drawn two to a counter word (`state_8bit.paired_bits`)
         self.held_back = {}  # between the load hooks: half parameter -> (its state's keys, tensors held back)
 
     def attach(self) -> None:
@@ -221,7 +222,8 @@ class ChunkedUpdate(OptimizerUpdate):
             for stream in sorted(set(streams)):
                 picked = [i for i, s in enumerate(streams) if s == stream]
                 self.rounder.round_([dsts[i] for i in picked], [srcs[i] for i in picked],
-                                    [self.ids[params[i]] for i in picked], [global_index(params[i]) for i in picked], stream)
+                                    [self.ids[params[i]] for i in picked], [global_index(params[i]) for i in picked], stream,
+                                    self.paired_bits and stream == 0)
             return
         torch._foreach_copy_(dsts, srcs)
 

@@ -27,6 +27,7 @@ class EightBitUpdate(ChunkedUpdate):
         super().__init__(opt_state)
         self.quick = set()  # this step's parameters (ids) that O8's fused kernel steps
         self.scratch = {}  # the fused kernel's backup buffers, kept from step to step
+        self.paired_bits = state_8bit.paired_bits(self.optimizer)
 
     def attach(self) -> None:
         """The chunks' setup; ``optimizer.state_dict()`` widens the packed state (`state_8bit.widened_state_dict`)."""

@@ -145,7 +145,7 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
     state, on the grid already)."""
     entries = [(st, k, v) for st, p in states for k, v in st.items() if packable(k, v, p)]
     param_of = {id(st): p for st, p in states}
-    where = _draw_sites(states, ids) if rounder is not None else {}
+    where = _draw_sites(states, ids, paired_bits(optimizer)) if rounder is not None else {}
     caps, roots = _caps(states, optimizer), {}
     groups = _groups(entries, lambda e: e[2], lambda e: code_dtype(e[1]))
     with torch.no_grad():
@@ -178,16 +178,23 @@ def pack(states, reuse: Dict[tuple, tuple], optimizer=None, rounder=None, ids: O
                 st[k + CODES], st[k + SCALES] = like(c, v), s  # codes sharded like the state (FSDP2), scales local
 
 
-def _draw_sites(states, ids: dict) -> Dict[tuple, tuple]:
-    """``(id(state), key) -> (tensor, stream, index)`` of each packable entry: its parameter's
+def paired_bits(optimizer) -> bool:
+    """Whether O8 rounds with one counter word for two elements (`counter_bits.paired16`): where each
+    parameter has at most one 8-bit state, an exact ``torch.optim.SGD`` (its momentum buffer); 16 bits
+    for the weight, 16 for the state."""
+    return type(optimizer) is torch.optim.SGD
+
+
+def _draw_sites(states, ids: dict, paired: bool) -> Dict[tuple, tuple]:
+    """``(id(state), key) -> (tensor, stream, index, paired)`` of each packable entry: its parameter's
     index among the optimizer's, ``1 +`` the key's place among the parameter's packable keys
-    in sorted order (the same whatever order the state dict holds them in), and where its
-    elements sit in the full parameter (FSDP2: the shard's offset)."""
+    in sorted order (the same whatever order the state dict holds them in), where its
+    elements sit in the full parameter (FSDP2: the shard's offset), and ``paired`` (`paired_bits`)."""
     out = {}
     for st, p in states:
         keys = sorted(k for k, v in st.items() if packable(k, v, p))
         first = global_index(p) if keys else 0
-        out.update({(id(st), k): (ids[p], 1 + j, first) for j, k in enumerate(keys)})
+        out.update({(id(st), k): (ids[p], 1 + j, first, paired) for j, k in enumerate(keys)})
     return out
 
 
@@ -209,8 +216,8 @@ def _draws(rounder, sites: List[tuple], values: List[torch.Tensor], firsts, x: t
     """The 24-bit draws of the group's flat buffer ``x`` (laid out as `_layout` says):
     each tensor's segment from its own counter bits, the padding 0 (its values are 0, on the grid)."""
     draws = torch.zeros(x.numel(), dtype=torch.int32, device=x.device)
-    for segment, (tensor, stream, index) in zip(_segments(draws, values, firsts), sites):
-        counter_draws(segment.view(-1), rounder.seed, rounder.step, tensor, stream, index)
+    for segment, (tensor, stream, index, paired) in zip(_segments(draws, values, firsts), sites):
+        counter_draws(segment.view(-1), rounder.seed, rounder.step, tensor, stream, index, paired)
     return draws
 
 

@@ -173,3 +173,33 @@ def test_shards_round_as_the_whole_parameter():
     assert torch.is_tensor(index)
     cols = round_counter_(torch.empty(6, 4, dtype=torch.bfloat16), full[:, 6:].clone(), 2, 4, 1, 0, index)
     assert torch.equal(cols, whole[:, 6:])
+
+
+def test_paired_bits_are_the_halves_of_one_word_for_two_elements():
+    """O8's bits for an SGD (one 8-bit state): elements 2i and 2i + 1 take word i's low and high halves,
+    the weight bits 0..15 and the state bits 16..31, whatever run or index order draws them."""
+    for seed, step, tensor in [(0, 0, 0), (2**63 - 1, 10**9, 5), (7, 1, 2**20)]:
+        k = cb.key(seed, step, tensor, 0)
+        for first in (0, 1, 2**32 - 3, 2**45 + 1):
+            half = [cb.mix64(k + (i // 2 + 1) * cb.GAMMA) >> (32 * (i % 2)) & 0xFFFFFFFF for i in range(first, first + 5)]
+            assert cb.halves(k, first, 5).tolist() == half
+            assert cb.paired16(seed, step, tensor, 0, first, 5).tolist() == [h & 0xFFFF for h in half]
+            assert cb.paired16(seed, step, tensor, 1, first, 5).tolist() == [h >> 16 for h in half]
+    whole = cb.paired16(5, 9, 1, 1, 0, 1000)
+    pieces = torch.cat([cb.paired16(5, 9, 1, 1, a, b - a) for a, b in [(0, 1), (1, 333), (333, 334), (334, 1000)]])
+    assert torch.equal(whole, pieces)  # runs from odd offsets start on a high half
+    picked = torch.tensor([999, 3, 3, 500])
+    assert torch.equal(cb.paired16(5, 9, 1, 1, picked), whole[picked])
+    with pytest.raises(ValueError, match="weight .0. and one state .1."):
+        cb.paired16(5, 9, 1, 2, 0, 4)
+
+
+@pytest.mark.parametrize("pair", ["weight and state", "a word's two elements", "neighbouring words"])
+def test_no_correlation_in_the_paired_bits(pair):
+    """The paired draws are as uncorrelated as the others (``test_no_correlation``'s test and power)."""
+    def u(stream, first=0, n=N_CORR):
+        return (cb.paired16(3, 5, 2, stream, first, n).double() + 0.5) / 2**16
+
+    a, b = {"weight and state": (u(0), u(1)), "a word's two elements": (u(1, 0, 2 * N_CORR)[0::2], u(1, 0, 2 * N_CORR)[1::2]),
+            "neighbouring words": (u(0, 0, 2 * N_CORR)[0::2], u(0, 2, 2 * N_CORR)[0::2])}[pair]
+    assert abs(correlation(a, b)) < CORR_LIMIT

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ampkit._kernels.rounding import StochasticRounder, round_all_to_bf16_, round_to_bf16_
+from ampkit._kernels.rounding import StochasticRounder, round_all_to_bf16_, round_counter_, round_to_bf16_
 
 N = 2**16  # roundings per value
 
@@ -178,3 +178,19 @@ def test_bad_state_is_refused_before_anything_changes(state, match):
 def test_dtypes_are_checked():
     with pytest.raises(TypeError, match="bfloat16 dst and a float32 src"):
         round_to_bf16_(torch.empty(3, dtype=torch.float16), torch.zeros(3))
+
+
+@pytest.mark.parametrize("n,first", [(1, 0), (1, 7), (300, 255), (1000, 1), (5000, 2**33 + 1)])
+def test_paired_rounding_in_c_equals_torch_and_differs_from_the_word_per_element(lib, n, first):
+    """``paired=True`` (O8's SGD weights): the C kernel's bits equal torch's at odd and even starts,
+    and they are not stream 0's one-word-per-element bits."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    c, t, per_element = (torch.empty(n, dtype=torch.bfloat16) for _ in range(3))
+    round_counter_(c, x.clone(), 4, 9, 2, 0, first, lib, paired=True)
+    round_counter_(t, x.clone(), 4, 9, 2, 0, first, None, paired=True)
+    round_counter_(per_element, x.clone(), 4, 9, 2, 0, first, lib)
+    assert torch.equal(c.view(torch.int16), t.view(torch.int16))
+    if n >= 300:
+        assert not torch.equal(c, per_element)
+    with pytest.raises(ValueError, match="paired=True, stream=1"):
+        round_counter_(c, x.clone(), 4, 9, 2, 1, first, lib, paired=True)

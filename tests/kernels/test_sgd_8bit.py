@@ -31,8 +31,8 @@ def tensors(n: int, first: int = 0, seed: int = 0) -> list:
 
 def test_a_step_is_torchs_sgd_on_the_widened_buffer_rounded_with_the_counter_bits():
     """Independently of the reference: SGD's formulas on the widened buffer, one rounding per
-    operation, the weight rounded with stream 0; the new buffer stored as one of its two
-    neighbouring codes."""
+    operation, the weight rounded with the paired bits (two elements to a counter word); the new
+    buffer stored as one of its two neighbouring codes."""
     n = 1000
     w, grad, q, s = tensors(n)
     buf = dequantize(q, s, torch.empty(n), BLOCK)
@@ -41,7 +41,7 @@ def test_a_step_is_torchs_sgd_on_the_widened_buffer_rounded_with_the_counter_bit
     b = buf * hyper.momentum + g * (1 - hyper.dampening)
     p = w.float() - b * hyper.lr
     want = torch.empty(n, dtype=torch.bfloat16)
-    round_counter_(want, p, 4, 7, 2, 0, 0)
+    round_counter_(want, p, 4, 7, 2, 0, 0, paired=True)
     assert step_(w, grad, q, s, hyper, False, 4, 7, 2, 0, lib=None)
     assert torch.equal(w, want)
     stored = dequantize(q, s, torch.empty(n), BLOCK)

@@ -276,7 +276,7 @@ def o8_sgd(kind, model=None):
 def test_sgd_steps_in_its_kernel_and_stores_what_state_8bit_packs(lib, monkeypatch, kind):
     """Three SGD steps of a 1000-element parameter; the third again from the state before it,
     widened by ``state_8bit``, stepped by ``fused_sgd.arithmetic``, the weight rounded with
-    stream 0 and the buffer packed by ``state_8bit.pack``: the fused step's weight, codes and
+    SGD's paired bits and the buffer packed by ``state_8bit.pack``: the fused step's weight, codes and
     scales, bit for bit (the first step made the buffer as torch's does)."""
     model, opt = o8_sgd(kind, _dot_model(1000))
     x = spanning_decades(1000, 6)
@@ -294,7 +294,7 @@ def test_sgd_steps_in_its_kernel_and_stores_what_state_8bit_packs(lib, monkeypat
     state_8bit.widen(state_8bit.held({p: st}, [p]))
     new_w, st["momentum_buffer"] = fused_sgd.arithmetic(w, seen[p], st["momentum_buffer"],
                                                         fused_sgd_update_8bit.hyper(opt.param_groups[0]), False)
-    round_counter_(w, new_w, seed, step, 0, 0, 0)
+    round_counter_(w, new_w, seed, step, 0, 0, 0, paired=True)  # an SGD's: two to a word
     rounder = StochasticRounder(seed)
     rounder.step = step
     state_8bit.pack([(st, p)], {}, opt, rounder, {p: 0})

@@ -278,7 +278,8 @@ def test_shards_cut_at_block_boundaries_pack_as_the_whole_parameter(monkeypatch,
 
 def test_each_key_step_and_parameter_draws_its_own_bits(monkeypatch):
     """The draws of a packed entry: its parameter's index, ``1 +`` its key's place in sorted
-    order (whatever order the state dict holds the keys in), the rounder's seed and step."""
+    order (whatever order the state dict holds the keys in), the rounder's seed and step; two
+    elements to a counter word (paired) for an exact SGD only."""
     seen = []
     real = state_8bit.counter_draws
     monkeypatch.setattr(state_8bit, "counter_draws", lambda out, *key: seen.append(key) or real(out, *key))
@@ -286,7 +287,11 @@ def test_each_key_step_and_parameter_draws_its_own_bits(monkeypatch):
     states = [({"exp_avg_sq": torch.rand(300), "exp_avg": torch.randn(300), "step": torch.tensor(1.0)}, p),
               ({"momentum_buffer": torch.randn(10)}, q)]
     state_8bit.pack(states, {}, None, _Counter, {p: 7, q: 2})
-    assert sorted(seen) == sorted([(5, 3, 7, 1, 0), (5, 3, 7, 2, 0), (5, 3, 2, 1, 0)])
+    assert sorted(seen) == sorted([(5, 3, 7, 1, 0, False), (5, 3, 7, 2, 0, False), (5, 3, 2, 1, 0, False)])
+    seen.clear()
+    sgd = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    state_8bit.pack([({"momentum_buffer": torch.randn(10)}, q)], {}, sgd, _Counter, {q: 2})
+    assert seen == [(5, 3, 2, 1, 0, True)]
 
 
 def _same_state_dicts(a: dict, b: dict) -> bool:

@@ -79,6 +79,19 @@ static inline void q8_words(uint32_t *restrict lo, uint32_t *restrict hi, uint64
         hi[j] = (uint32_t)(a >> 32);
     }
 }
+/* The 32 counter bits of each element of a parameter with one 8-bit state (SGD's momentum): elements 2i
+   and 2i + 1 (the full parameter's flat index) share word i, its low and high halves; bits 0..15 the
+   weight's draw, 16..31 the state's. One hash for two elements. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "q8_halves reads a word's halves as two uint32s: little-endian only"
+#endif
+static inline void q8_halves(uint32_t *restrict u, uint64_t key, int64_t first, int k) {
+    const int64_t p0 = first >> 1, np = ((first + k - 1) >> 1) - p0 + 1;
+    uint64_t w[Q8_BLOCK / 2 + 1];
+    uint64_t z = key + (uint64_t)(p0 + 1) * GAMMA;
+    for (int64_t j = 0; j < np; j++, z += GAMMA) w[j] = mix64(z);
+    memcpy(u, (const uint32_t *)w + (first & 1), 4 * (size_t)k);  /* element first's half first */
+}
 static inline float q8_draw1(uint32_t lo, uint32_t hi) { return (float)(int32_t)((lo >> 16) | ((hi & 0xFF) << 16)); }
 static inline float q8_draw2(uint32_t hi) { return (float)(int32_t)(hi >> 8); }
 

@@ -1,34 +1,26 @@
 /* O8: SGD with momentum on bf16 weights with an 8-bit buffer (_kernels/fused_sgd_8bit.py). The
    buffer is int8 codes with a power-of-two scale per block of 256 on the full parameter's flat index
    (q8.h); torch's arithmetic (sgd.h) on buf = code * scale (mode BUFFER) or from the gradient (mode
-   NEW_BUFFER); the weight rounded with the counter word's bits 0..15, the new buffer quantized per
-   block with its 24-bit draws of stream 1. The old weight, codes and scales go to the backups bw, bb,
+   NEW_BUFFER); the weight rounded with bits 0..15 of the element's 32 counter bits (q8_halves: one word
+   for two elements), the new buffer quantized per block with its 16-bit draw (bits 16..31) as the top
+   of a 24-bit one. The old weight, codes and scales go to the backups bw, bb,
    bbs; *bad counts the blocks with a non-finite new weight. */
 #include "q8.h"
 #include "sgd.h"
 
-/* The counter word of each element (q8.h's q8_words, stepped by additions): the weight's draw (bits 0..15, in
-   lo) and up = 0xFFFFFF - the buffer's 24-bit draw d (bits 16..39, q8_draw1's), for sgd_8bit_codes. */
-static void sgd_8bit_words(uint32_t *restrict lo, uint32_t *restrict up, uint64_t key, int64_t first, int k) {
-    uint64_t z = key + (uint64_t)(first + 1) * GAMMA;
-    for (int j = 0; j < k; j++, z += GAMMA) {
-        const uint64_t a = mix64(z);
-        lo[j] = (uint32_t)a;
-        up[j] = ~(uint32_t)(a >> 16) & 0xFFFFFFu;
-    }
-}
-
 /* q8_int8's codes (no limit), its bits, with integer rounding: y = |m| / s as there (<= 127) and Y = y 2**24
-   (exact, < 2**31); floor(y) + (d < frac(y) 2**24) is (ceil(Y) + 0xFFFFFF - d) >> 24 (d an integer: d < F iff
+   (exact, < 2**31); with d the buffer's 16-bit draw (bits 16..31 of u) times 256, a 24-bit draw whose low 8
+   bits are 0, floor(y) + (d < frac(y) 2**24) is (ceil(Y) + 0xFFFFFF - d) >> 24 (d an integer: d < F iff
    d < ceil(F)); the sign applied as (mag ^ -1) + 1 (no compares). The old code to the backup bb in the same
    loop: the codes stored as bytes here (4 float vectors a step) beat an int32 scratch and a narrowing loop. */
-static void sgd_8bit_codes(int8_t *restrict q, const float *restrict mb, const uint32_t *restrict up, q8_scale sc,
+static void sgd_8bit_codes(int8_t *restrict q, const float *restrict mb, const uint32_t *restrict u, q8_scale sc,
                            int k, int8_t *restrict bb) {
     for (int j = 0; j < k; j++) {
         const float m = mb[j];
         const int fin = isfinite(m);
         const float y = fin ? (fabsf(m) * sc.a) * sc.b : 0.0f;
-        const int32_t mag = (int32_t)(((uint32_t)(int32_t)ceilf(y * 0x1p24f) + up[j]) >> 24);
+        const uint32_t up = 0xFFFFFFu - ((u[j] >> 16) << 8);
+        const int32_t mag = (int32_t)(((uint32_t)(int32_t)ceilf(y * 0x1p24f) + up) >> 24);
         const int32_t sg = -(int32_t)(q8_u(m) >> 31);  /* m's sign: 0 or -1 */
         bb[j] = q[j];
         q[j] = (int8_t)(fin ? (mag ^ sg) - sg : -128);
@@ -43,11 +35,11 @@ static void sgd_8bit_load(const int8_t *restrict bq, float s, int k, float *rest
     }
 }
 
-/* The SGD step on the block (16- and 32-bit lanes): the new weight (rounded with the word's low 16 bits; the
+/* The SGD step on the block (16- and 32-bit lanes): the new weight (rounded with u's bits 0..15; the
    old to bw) and the new buffer in mb, its absmax (q8_absmax's, in this loop); whether a new weight is not
    finite, as the greatest exponent field (a max, not a compare and an or). */
 static uint32_t sgd_8bit_step(uint16_t *restrict w, const uint16_t *restrict grad, float *restrict mb,
-                              const uint32_t *restrict lo, int k, const int mode, int flags, const float *restrict c,
+                              const uint32_t *restrict u, int k, const int mode, int flags, const float *restrict c,
                               uint16_t *restrict bw, uint32_t *restrict absmax) {
     const float h[4] = {c[0], c[1], c[2], c[3]};  /* a local copy, read unconditionally: the loop vectorizes */
     uint32_t amax = 0, most = 0;
@@ -58,7 +50,7 @@ static uint32_t sgd_8bit_step(uint16_t *restrict w, const uint16_t *restrict gra
         const float p = sgd_step(widen(wj), widen(grad[j]), &b, mode, flags, h);
         const uint32_t ex = q8_u(p) & 0x7F800000u;
         most = ex > most ? ex : most;
-        w[j] = narrow(p, lo[j] & 0xFFFF);
+        w[j] = narrow(p, u[j] & 0xFFFF);
         mb[j] = b;
         const uint32_t u = q8_u(b) & 0x7FFFFFFFu & -(uint32_t)(fabsf(b) <= INFINITY);  /* q8_absmax's: NaN 0 */
         amax = u > amax ? u : amax;
@@ -68,18 +60,18 @@ static uint32_t sgd_8bit_step(uint16_t *restrict w, const uint16_t *restrict gra
 }
 
 /* One block of k elements: loops without branches, each on one lane width where it can (so that they vectorize:
-   the counter words, the codes widened, the step, the new codes); mode is a constant of each instantiation. */
+   the counter bits, the codes widened, the step, the new codes); mode is a constant of each instantiation. */
 INLINE void sgd_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad, int8_t *restrict bq,
                            float *restrict bs, int k, int64_t first, uint64_t key, const int mode, int flags,
                            const float *restrict c, uint16_t *restrict bw, int8_t *restrict bb, int64_t *restrict bad) {
     float mb[Q8_BLOCK];
-    uint32_t lo[Q8_BLOCK], up[Q8_BLOCK];
-    sgd_8bit_words(lo, up, key, first, k);
+    uint32_t u[Q8_BLOCK];
+    q8_halves(u, key, first, k);
     if (mode == BUFFER) sgd_8bit_load(bq, *bs, k, mb);
     uint32_t amax;
-    const uint32_t nbad = sgd_8bit_step(w, grad, mb, lo, k, mode, flags, c, bw, &amax);
+    const uint32_t nbad = sgd_8bit_step(w, grad, mb, u, k, mode, flags, c, bw, &amax);
     const q8_scale sc = q8_scale_of(q8_scale_exponent(amax, 7, 0.9921875f));
-    sgd_8bit_codes(bq, mb, up, sc, k, bb);
+    sgd_8bit_codes(bq, mb, u, sc, k, bb);
     *bs = sc.s;
     *bad += nbad;
 }

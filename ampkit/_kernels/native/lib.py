@@ -13,6 +13,7 @@ COUNTS = POINTER(c_int64)  # int64 results: ``ctypes.byref(c_int64())`` or ``(c_
 
 SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csrc/*.c)
     "round_bf16": (None, (DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int)),
+    "round_bf16_paired": (None, (DATA, DATA, c_int64, c_int64, c_uint64, c_int)),
     "adamw_fp32_state": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_int)),
     "adamw_bf16_state": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_int)),
     "adamw_8bit": (None, (DATA, DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_float,
