@@ -300,12 +300,13 @@ def _same_state_dicts(a: dict, b: dict) -> bool:
         and all(torch.equal(a["state"][i][k], b["state"][i][k]) for k in a["state"][i]) for i in a["state"])
 
 
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])  # SGD: two elements to a counter word (paired bits)
 @pytest.mark.parametrize("how", ["state_dicts", "checkpoint"])
-def test_resume_is_bit_exact(tmp_path, how):
+def test_resume_is_bit_exact(tmp_path, how, opt_name):
     """N steps, save, M more; against a fresh model and optimizer loaded from the save
     running the same M steps: identical losses, bf16 weights and state, bit for bit."""
     data = batches(8)
-    first, first_opt = build()
+    first, first_opt = build(opt_name=opt_name)
     train(first, first_opt, data[:4])
     path = tmp_path / "ckpt.pt"
     if how == "checkpoint":
@@ -316,7 +317,7 @@ def test_resume_is_bit_exact(tmp_path, how):
     saved = copy.deepcopy(first_opt.state_dict())  # its step counters are the live ones
     losses = train(first, first_opt, data[4:])
 
-    second, second_opt = build()
+    second, second_opt = build(opt_name=opt_name)
     if how == "checkpoint":
         ampkit.checkpoint.load(path, second, second_opt)
     else:
