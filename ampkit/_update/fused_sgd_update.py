@@ -42,6 +42,12 @@ def hyper(group: dict) -> Hyper:
                  bool(group["nesterov"]), bool(group.get("maximize", False)))
 
 
+def group_hypers(items) -> dict:
+    """``id(group) -> hyper(group)`` for the groups of ``items`` (each ``(group, ...)``), read once a step."""
+    groups = {id(item[0]): item[0] for item in items}
+    return {key: hyper(group) for key, group in groups.items()}
+
+
 def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
     buf = state.get(STATE_KEY) if state else None
     return (not state or set(state) == {STATE_KEY}) and (
@@ -81,9 +87,9 @@ def _buffer(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
     """One SGD step of each ``(group, p)`` of ``params`` (all `eligible`)."""
     dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
-    compiles, hypers = {}, {}  # per device, per group (read once a step)
+    compiles, hypers = {}, group_hypers(params)  # per device, per group
     for group, p in params:
-        h = hypers.setdefault(id(group), hyper(group))
+        h = hypers[id(group)]
         buf, new = _buffer(optimizer, group, p, dtype)
         w = local(p)
         if w.device not in compiles:
@@ -114,9 +120,9 @@ def masters_to_step(optimizer, owner: dict) -> list:
 
 def step_masters(optimizer, items) -> None:
     """One SGD step of each O5 master of ``items`` (from `masters_to_step`), writing its bf16 model parameter too."""
-    hypers = {}
+    hypers = group_hypers(items)
     for group, m, p in items:
-        h = hypers.setdefault(id(group), hyper(group))
+        h = hypers[id(group)]
         buf, new = _buffer(optimizer, group, m, torch.float32)
         with torch.no_grad():
             ops.sgd_master_step_(local(m), local(m.grad), None if buf is None else local(buf), h, new, local(p))
@@ -125,9 +131,9 @@ def step_masters(optimizer, items) -> None:
 def step_remainders(optimizer, params, grads: dict, remainders) -> None:
     """One SGD step of each ``(group, p)`` of ``params`` (all `eligible` with a float32 buffer),
     whose master is bf16 ``p`` with ``remainders[i]`` (``_kernels/fused_sgd_remainder.py``)."""
-    hypers = {}
+    hypers = group_hypers(params)
     for (group, p), r in zip(params, remainders):
-        h = hypers.setdefault(id(group), hyper(group))
+        h = hypers[id(group)]
         buf, new = _buffer(optimizer, group, p, torch.float32)
         with torch.no_grad():
             ops.sgd_remainder_step_(local(p), r, local(grads[p]), None if buf is None else local(buf), h, new)

@@ -15,7 +15,7 @@ from .._kernels import ops
 from .._kernels.fused_adamw_8bit import BLOCK, span
 from .._kernels.fused_sgd_8bit import backups, restore_
 from . import fused_update_8bit, state_8bit
-from .fused_sgd_update import exact_group, hyper
+from .fused_sgd_update import exact_group, group_hypers
 from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
 
@@ -43,10 +43,10 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:
     """One SGD step of each ``(group, p)`` of ``chunk`` (all `eligible`); ``skip``, the result
     and ``scratch`` as `fused_update_8bit.run_chunk`'s."""
-    hypers = {}
+    hypers = group_hypers(chunk)
 
     def step_one(group, p, q, new, backup) -> bool:
-        state, h = optimizer.state[p], hypers.setdefault(id(group), hyper(group))
+        state, h = optimizer.state[p], hypers[id(group)]
         with torch.no_grad():
             return ops.sgd_8bit_step_(q, local(grads[p]), local(state[CODES]), state[SCALES], h, new, rounder.seed,
                                       rounder.step, ids[p], global_index(p), backup)

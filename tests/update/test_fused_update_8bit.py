@@ -13,7 +13,7 @@ from ampkit._kernels import blockquant, fused_sgd, native
 from ampkit._kernels.fused_adamw import Hyper, arithmetic
 from ampkit._run.registry import current as current_run
 from ampkit._kernels.rounding import StochasticRounder, round_counter_
-from ampkit._update import chunks, fused_sgd_update_8bit, fused_update_8bit, state_8bit
+from ampkit._update import chunks, fused_sgd_update, fused_sgd_update_8bit, fused_update_8bit, state_8bit
 from tests.update.test_fused_update import ADAMS, batches, make_model, train
 from tests.update.test_state_8bit import (_dot_model, adam_constant, adam_state_bound, assert_state_within_bounds,
                                            one_large_gradient_per_block, raw_state, train_on)
@@ -293,7 +293,7 @@ def test_sgd_steps_in_its_kernel_and_stores_what_state_8bit_packs(lib, monkeypat
 
     state_8bit.widen(state_8bit.held({p: st}, [p]))
     new_w, st["momentum_buffer"] = fused_sgd.arithmetic(w, seen[p], st["momentum_buffer"],
-                                                        fused_sgd_update_8bit.hyper(opt.param_groups[0]), False)
+                                                        fused_sgd_update.hyper(opt.param_groups[0]), False)
     round_counter_(w, new_w, seed, step, 0, 0, 0, paired=True)  # an SGD's: two to a word
     rounder = StochasticRounder(seed)
     rounder.step = step
