@@ -10,6 +10,7 @@ from ampkit._kernels import native
 from ampkit._kernels.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, dequantize, quantize_
 from ampkit._kernels.fused_adamw import Hyper
 from ampkit._kernels.fused_adamw_8bit import BLOCK, span, step_
+from tests.kernels._eight_bit import assert_pieces_step_as_the_whole, assert_threads_and_strides_agree, same
 
 HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
           Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0)]  # Adam with L2 decay, maximize
@@ -28,15 +29,6 @@ def tensors(n: int, first: int = 0, seed: int = 0) -> list:
     quantize_(mq, ms, m, None, BLOCK)
     quantize_(vq, vs, v.sqrt(), None, BLOCK)
     return [w, grad, mq[lead:].clone(), ms, vq[lead:].clone(), vs]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous().view(-1)
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
-
-
-def same(a: list, b: list) -> bool:
-    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
 
 
 def test_span_counts_the_blocks_a_piece_touches():
@@ -76,33 +68,14 @@ def test_non_contiguous_tensors_and_any_thread_count(lib):
     """The eager reference, the kernel on one thread and on two, and on strided tensors: the
     same bits (ranges cut at block boundaries of the full index, here with first % 256 != 0)."""
     n, first = 2 * native.MIN_PER_THREAD + 3, 1000
-    base = tensors(n, first)
-    runs = {k: [t.clone() for t in base] for k in ("eager", "one", "two")}
-    runs["strided"] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in base]
-    assert not runs["strided"][0].is_contiguous()
-    threads = torch.get_num_threads()
-    try:
-        step_(*runs["eager"], HYPERS[0], CAP, 1, 2, 3, first, lib=None)
-        for key, count in (("one", 1), ("two", 2), ("strided", 2)):
-            torch.set_num_threads(count)
-            step_(*runs[key], HYPERS[0], CAP, 1, 2, 3, first, lib=lib)
-    finally:
-        torch.set_num_threads(threads)
-    for key in ("one", "two", "strided"):
-        assert same(runs["eager"], runs[key]), key
+    assert_threads_and_strides_agree(tensors(n, first), lambda t, kernel: step_(*t, HYPERS[0], CAP, 1, 2, 3, first, lib=kernel), lib)
 
 
 @pytest.mark.parametrize("use_lib", [False, True])
 def test_pieces_cut_at_block_boundaries_step_as_the_whole(lib, use_lib):
     """FSDP2 shards starting on block boundaries: each piece's codes and scales are the whole's."""
-    whole = tensors(1000)
-    pieces = [t.clone() for t in whole]
-    step_(*whole, HYPERS[0], CAP, 9, 4, 2, 0, lib=lib if use_lib else None)
-    for a, b in [(0, 256), (256, 768), (768, 1000)]:
-        sa, sb = a // BLOCK, span(b, 0)
-        part = [pieces[0][a:b], pieces[1][a:b], pieces[2][a:b], pieces[3][sa:sb], pieces[4][a:b], pieces[5][sa:sb]]
-        step_(*part, HYPERS[0], CAP, 9, 4, 2, a, lib=lib if use_lib else None)
-    assert same(whole, pieces)
+    assert_pieces_step_as_the_whole(
+        tensors(1000), lambda t, first: step_(*t, HYPERS[0], CAP, 9, 4, 2, first, lib=lib if use_lib else None), (3, 5), BLOCK)
 
 
 @pytest.mark.parametrize("use_lib", [False, True])

@@ -11,7 +11,7 @@ from ampkit._kernels.fused_adamw_8bit import BLOCK, span
 from ampkit._kernels.fused_sgd import Hyper
 from ampkit._kernels.fused_sgd_8bit import step_
 from ampkit._kernels.rounding import round_counter_
-from tests.kernels.test_fused_adamw_8bit import same
+from tests.kernels._eight_bit import assert_pieces_step_as_the_whole, assert_threads_and_strides_agree, same
 
 HYPERS = [Hyper(0.1, 0.9, 0.0, 5e-4, False, False),  # the ImageNet recipe
           Hyper(3e-2, 0.8, 0.0, 1e-2, True, True)]  # Nesterov (dampening 0, as torch requires), maximize
@@ -75,31 +75,13 @@ def test_the_first_step_ignores_the_old_codes(lib):
 
 def test_non_contiguous_tensors_and_any_thread_count(lib):
     n, first = 2 * native.MIN_PER_THREAD + 3, 1000
-    base = tensors(n, first)
-    runs = {k: [t.clone() for t in base] for k in ("eager", "one", "two")}
-    runs["strided"] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in base]
-    assert not runs["strided"][0].is_contiguous()
-    threads = torch.get_num_threads()
-    try:
-        step_(*runs["eager"], HYPERS[0], False, 1, 2, 3, first, lib=None)
-        for key, count in (("one", 1), ("two", 2), ("strided", 2)):
-            torch.set_num_threads(count)
-            step_(*runs[key], HYPERS[0], False, 1, 2, 3, first, lib=lib)
-    finally:
-        torch.set_num_threads(threads)
-    for key in ("one", "two", "strided"):
-        assert same(runs["eager"], runs[key]), key
+    assert_threads_and_strides_agree(tensors(n, first), lambda t, kernel: step_(*t, HYPERS[0], False, 1, 2, 3, first, lib=kernel), lib)
 
 
 @pytest.mark.parametrize("use_lib", [False, True])
 def test_pieces_cut_at_block_boundaries_step_as_the_whole(lib, use_lib):
-    whole = tensors(1000)
-    pieces = [t.clone() for t in whole]
-    step_(*whole, HYPERS[0], False, 9, 4, 2, 0, lib=lib if use_lib else None)
-    for a, b in [(0, 256), (256, 768), (768, 1000)]:
-        part = [pieces[0][a:b], pieces[1][a:b], pieces[2][a:b], pieces[3][a // BLOCK:span(b, 0)]]
-        step_(*part, HYPERS[0], False, 9, 4, 2, a, lib=lib if use_lib else None)
-    assert same(whole, pieces)
+    assert_pieces_step_as_the_whole(
+        tensors(1000), lambda t, first: step_(*t, HYPERS[0], False, 9, 4, 2, first, lib=lib if use_lib else None), (3,), BLOCK)
 
 
 @pytest.mark.parametrize("use_lib", [False, True])

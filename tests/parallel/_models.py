@@ -1,6 +1,9 @@
 """Tiny models and data shared by the distributed tests (parent and workers build the same)."""
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+import ampkit
 
 
 class Net(nn.Module):
@@ -49,3 +52,13 @@ def micro_batches(steps, micro, per_rank=4, rank=None, world_size=2):
     if rank is None:
         return data
     return [[shard(batch, rank, world_size) for batch in step] for step in data]
+
+
+def train_steps(net, opt, data) -> None:
+    """One ampkit step per step of ``data`` (`micro_batches` with one micro-batch): the mean
+    squared error of ``net``'s output in float32, backward through ``scale_loss``."""
+    for ((x, y),) in data:
+        opt.zero_grad()
+        with ampkit.scale_loss(F.mse_loss(net(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()

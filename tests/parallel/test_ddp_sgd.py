@@ -3,14 +3,13 @@ buffers) against one process over the same batches: the ranks hold bit-identical
 buffers, which match one process up to the gradients' summation order, and the fused step ran."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ampkit
 from ampkit.parallel import DistributedDataParallel
 
 from ._launch import run
-from ._models import micro_batches
+from ._models import micro_batches, train_steps
 
 LEVELS = {"O5": {}, "O7": {}, "O7/bf16_state": {"optimizer_state_dtype": torch.bfloat16}}
 STEPS = 4
@@ -32,11 +31,7 @@ def _train(name, data, ddp_wrap=False):
     try:
         model, opt = _build(name)
         net = DistributedDataParallel(model) if ddp_wrap else model
-        for ((x, y),) in data:
-            opt.zero_grad()
-            with ampkit.scale_loss(F.mse_loss(net(x), y), opt) as scaled:
-                scaled.backward()
-            opt.step()
+        train_steps(net, opt, data)
     finally:
         fused_sgd_update.step_masters, fused_sgd_update.step = real
     params = [p for g in opt.param_groups for p in g["params"]]

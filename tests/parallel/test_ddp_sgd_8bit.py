@@ -3,14 +3,13 @@ gloo ranks against one process over the same batches: the ranks hold bit-identic
 buffers, equal to the one process's up to the gradients' summation order."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ampkit
 from ampkit.parallel import DistributedDataParallel
 
 from ._launch import run
-from ._models import micro_batches
+from ._models import micro_batches, train_steps
 
 STEPS, PER_RANK = 4, 4
 OPTIONS = {"momentum": dict(momentum=0.9, weight_decay=5e-4), "nesterov": dict(momentum=0.8, nesterov=True)}
@@ -25,12 +24,7 @@ def _build(kind):
 
 
 def _train(model, opt, data, ddp=None):
-    for step in data:
-        (x, y), = step
-        opt.zero_grad()
-        with ampkit.scale_loss(F.mse_loss((ddp or model)(x).float(), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
+    train_steps(ddp or model, opt, data)
     return ([p.detach().clone() for p in model.parameters()],
             [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
 

@@ -5,7 +5,6 @@ and buffers equal O5's under DDP bit for bit (its fused SGD masters, the same re
 and match one process up to the gradients' summation order."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ampkit
@@ -13,7 +12,7 @@ from ampkit._kernels.remainder import master, side_table
 from ampkit.parallel import DistributedDataParallel
 
 from ._launch import run
-from ._models import micro_batches
+from ._models import micro_batches, train_steps
 
 STEPS = 6
 HALF_CLOSE = dict(rtol=2e-2, atol=2e-2)  # bf16 weights and gradients: an ulp of bf16 on values of order 1
@@ -29,11 +28,7 @@ def _train(master_weights, data, ddp_wrap=False):
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
         model, opt = ampkit.initialize(net, opt, opt_level="O5", master_weights=master_weights, verbosity=0)
         wrapped = DistributedDataParallel(model) if ddp_wrap else model
-        for ((x, y),) in data:
-            opt.zero_grad()
-            with ampkit.scale_loss(F.mse_loss(wrapped(x).float(), y), opt) as scaled:
-                scaled.backward()
-            opt.step()
+        train_steps(wrapped, opt, data)
     finally:
         fused_sgd_update.step_remainders = real
     params = list(model.parameters())

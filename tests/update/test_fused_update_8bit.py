@@ -88,6 +88,26 @@ def same(a, b) -> bool:
             and all(torch.equal(bits(sa[k]), bits(sb[k])) for k in sa))
 
 
+def saved_trained_and_resumed(model, opt, data, path, build) -> tuple:
+    """Save the run (model, optimizer, ampkit state) to ``path``, train it on ``data``, and load
+    the save into ``build()``'s fresh run, trained on ``data`` too: the snapshots at the save,
+    of the run and of the resumed run. The loaded state holds the saved values bit for bit (a
+    block's scale may differ: its codes with it)."""
+    saved = copy.deepcopy(opt.state_dict()["state"])  # its step counters are the live ones
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)}, path)
+    middle = snapshot(model, opt)
+    train(model, opt, data)
+    resumed, resumed_opt = build()
+    ckpt = torch.load(path)
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    ampkit.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
+    loaded = resumed_opt.state_dict()["state"]
+    assert all(torch.equal(bits(v), bits(loaded[i][k])) for i, st in saved.items() for k, v in st.items())
+    train(resumed, resumed_opt, data)
+    return middle, snapshot(model, opt), snapshot(resumed, resumed_opt)
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # a zero-size layer, on purpose
 @pytest.mark.parametrize("adam", ["adamw", "adam"])
 def test_training_with_the_kernel_equals_the_eager_reference(lib, monkeypatch, tmp_path, adam):
@@ -103,19 +123,7 @@ def test_training_with_the_kernel_equals_the_eager_reference(lib, monkeypatch, t
         assert all(fused_update_8bit.eligible(opt, opt.param_groups[0], p, p.detach()) for p in model.parameters())
         train(model, opt, data[:4], poison=(1,))
         assert not calls and current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounder.step == 3
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)},
-                   tmp_path / f"{kind}.pt")
-        middle, opt_state_then = snapshot(model, opt), copy.deepcopy(opt.state_dict()["state"])
-        train(model, opt, data[4:])
-        resumed, resumed_opt = o8(adam)
-        ckpt = torch.load(tmp_path / f"{kind}.pt")
-        resumed.load_state_dict(ckpt["model"])
-        resumed_opt.load_state_dict(ckpt["optimizer"])
-        ampkit.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
-        loaded = resumed_opt.state_dict()["state"]  # the values (a block's scale may differ: its codes with it)
-        assert all(torch.equal(bits(v), bits(loaded[i][k])) for i, st in opt_state_then.items() for k, v in st.items())
-        train(resumed, resumed_opt, data[4:])
-        runs[kind] = middle, snapshot(model, opt), snapshot(resumed, resumed_opt)
+        runs[kind] = saved_trained_and_resumed(model, opt, data[4:], tmp_path / f"{kind}.pt", lambda: o8(adam))
         assert same(runs[kind][1], runs[kind][2])
         state = opt.state[model.a.weight]
         assert state["exp_avg.codes"].dtype == torch.int8 and state["exp_avg_sq.codes"].dtype == torch.uint8
@@ -316,21 +324,8 @@ def test_sgd_with_the_kernel_equals_the_eager_reference_through_a_skip_and_a_res
         calls = calls_of_own_step(opt)
         train(model, opt, data[:4], poison=(1,))
         assert not calls and current_run("t").scalers[0].skipped_steps == 1 and current_run("t").rounder.step == 3
-        saved = opt.state_dict()
-        assert saved["state"][1]["momentum_buffer"].dtype == torch.float32
-        torch.save({"model": model.state_dict(), "optimizer": saved, "amp": ampkit.state_dict(optimizer=opt)},
-                   tmp_path / f"{path}.pt")
-        middle = snapshot(model, opt)
-        train(model, opt, data[4:])
-        resumed, resumed_opt = o8_sgd(kind)
-        ckpt = torch.load(tmp_path / f"{path}.pt")
-        resumed.load_state_dict(ckpt["model"])
-        resumed_opt.load_state_dict(ckpt["optimizer"])
-        ampkit.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
-        loaded = resumed_opt.state_dict()["state"]
-        assert all(torch.equal(bits(v), bits(loaded[i][k])) for i, st in saved["state"].items() for k, v in st.items())
-        train(resumed, resumed_opt, data[4:])
-        runs[path] = middle, snapshot(model, opt), snapshot(resumed, resumed_opt)
+        assert opt.state_dict()["state"][1]["momentum_buffer"].dtype == torch.float32  # saved widened: torch's format
+        runs[path] = saved_trained_and_resumed(model, opt, data[4:], tmp_path / f"{path}.pt", lambda: o8_sgd(kind))
         assert same(runs[path][1], runs[path][2])
     assert all(same(a, b) for a, b in zip(runs["kernel"], runs["eager"]))
     assert not same(runs["kernel"][0], runs["kernel"][1])

@@ -1,0 +1,40 @@
+"""What the tests of O8's kernels share: bit equality, and the runs that must give the same bits."""
+import torch
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().view(-1)
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def same(a: list, b: list) -> bool:
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+def assert_threads_and_strides_agree(base: list, step, lib) -> None:
+    """``step(tensors, lib)`` on copies of ``base``: the eager reference (``lib=None``), the kernel
+    ``lib`` on one thread and on two, and on strided copies, the same bits."""
+    runs = {k: [t.clone() for t in base] for k in ("eager", "one", "two")}
+    runs["strided"] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in base]
+    assert not runs["strided"][0].is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        step(runs["eager"], None)
+        for key, count in (("one", 1), ("two", 2), ("strided", 2)):
+            torch.set_num_threads(count)
+            step(runs[key], lib)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("one", "two", "strided"):
+        assert same(runs["eager"], runs[key]), key
+
+
+def assert_pieces_step_as_the_whole(whole: list, step, scales: tuple, block: int) -> None:
+    """``step(tensors, first)`` of ``whole`` (element 0 at 0) and of its pieces cut at block
+    boundaries (the tensors at ``scales`` cut by block): the same bits."""
+    pieces = [t.clone() for t in whole]
+    n = whole[0].numel()
+    step(whole, 0)
+    for a, b in [(0, block), (block, 3 * block), (3 * block, n)]:
+        step([t[a // block:-(-b // block)] if i in scales else t[a:b] for i, t in enumerate(pieces)], a)
+    assert same(whole, pieces)
