@@ -1,6 +1,10 @@
 """O8 with ``torch.optim.SGD`` momentum (its 8-bit buffer stepped by the fused kernel) under DDP on 2
 gloo ranks against one process over the same batches: the ranks hold bit-identical weights and
-buffers, equal to the one process's up to the gradients' summation order."""
+buffers, equal to the one process's up to the gradients' summation order; through a skipped step
+and a resume, the resumed run is the uninterrupted one bit for bit (its counter bits, two elements
+to a word, are a function of the step and the global index)."""
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -42,6 +46,38 @@ def _worker(rank, world_size):
     return out
 
 
+POISONED, SAVE_AT = 1, 3  # the step with an inf target (skipped everywhere), the step after which the run is saved
+
+
+def _poisoned_batches(rank=None):
+    """`micro_batches` of STEPS + 2 steps, step POISONED's first target inf on every rank."""
+    data = micro_batches(STEPS + 2, 1, PER_RANK, rank)
+    data[POISONED][0][1][0, 0] = float("inf")
+    return data
+
+
+def _resumed(kind, data, wrap):
+    """Weights and states of the run through ``data`` uninterrupted and of a fresh run loaded from
+    its save after SAVE_AT steps, and its skipped steps."""
+    model, opt = _build(kind)
+    _train(model, opt, data[:SAVE_AT], wrap(model))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict(optimizer=opt)}, saved)
+    whole = _train(model, opt, data[SAVE_AT:], wrap(model))
+    fresh, fresh_opt = _build(kind)
+    saved.seek(0)
+    ckpt = torch.load(saved)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["optimizer"])
+    ampkit.load_state_dict(ckpt["amp"], optimizer=fresh_opt)
+    return {"whole": whole, "resumed": _train(fresh, fresh_opt, data[SAVE_AT:], wrap(fresh)),
+            "skipped": opt._ampkit.run.scalers[0].skipped_steps}
+
+
+def _resume_worker(rank, world_size):
+    return _resumed("momentum", _poisoned_batches(rank), DistributedDataParallel)
+
+
 @pytest.fixture(scope="module")
 def ranks():
     return run(_worker, 2)
@@ -61,3 +97,20 @@ def test_two_ranks_agree_bit_for_bit_and_match_one_process(ranks, kind):
         assert state["momentum_buffer.codes"].dtype == torch.int8
         torch.testing.assert_close(got.float(), want.float(), **HALF_CLOSE)
     assert any(not torch.equal(a, b) for a, b in zip(wa, _build(kind)[0].parameters()))  # it trained
+
+
+def _same(a, b) -> bool:
+    (wa, sa), (wb, sb) = a, b
+    return (all(torch.equal(x, y) for x, y in zip(wa, wb))
+            and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb)))
+
+
+@pytest.mark.slow
+def test_a_skipped_step_and_a_resume_on_two_ranks_match_one_process():
+    ranks = run(_resume_worker, 2)
+    single = _resumed("momentum", _poisoned_batches(), lambda model: None)
+    for out in ranks + [single]:
+        assert out["skipped"] == 1 and _same(out["whole"], out["resumed"])  # the resume is bit-exact
+    assert _same(ranks[0]["whole"], ranks[1]["whole"])
+    for got, want in zip(ranks[0]["whole"][0], single["whole"][0]):
+        torch.testing.assert_close(got.float(), want.float(), **HALF_CLOSE)
