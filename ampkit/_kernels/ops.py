@@ -20,6 +20,11 @@ __all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_",
 _NO_TABLE = torch.empty(0, dtype=torch.int64)  # the op's argument for a CPU remainder without a table (only read)
 
 
+def _table_arg(r: torch.Tensor) -> torch.Tensor:
+    """``r``'s side table as a remainder op's argument (`_NO_TABLE` for a CPU remainder without one)."""
+    return side_table(r, _NO_TABLE if r.device.type == "cpu" else None)
+
+
 def _hyper(hyper: list, flags: list, count: torch.Tensor) -> Hyper:
     return Hyper(*hyper, *flags, count.item())
 
@@ -170,9 +175,7 @@ def master_step_(x, grad, m, v, hyper: Hyper, count: torch.Tensor, w: Optional[t
 
 def remainder_step_(w, r, grad, m, v, hyper: Hyper, count: torch.Tensor) -> None:
     """`fused_masters.step_remainder_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
-    table = side_table(r, _NO_TABLE if r.device.type == "cpu" else None)
-    set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, table, count, *_values(hyper)))
-
+    set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, _table_arg(r), count, *_values(hyper)))
 
 
 def adamw_8bit_step_(w, grad, mq, ms, vq, vs, hyper: Hyper, count: torch.Tensor, cap: float, seed: int, step: int,
@@ -197,8 +200,7 @@ def sgd_master_step_(x, grad, buf, hyper: fused_sgd.Hyper, new: bool, w: Optiona
 
 def sgd_remainder_step_(w, r, grad, buf, hyper: fused_sgd.Hyper, new: bool) -> None:
     """`fused_sgd_remainder.step_` of CPU tensors, as the op."""
-    table = side_table(r, _NO_TABLE if r.device.type == "cpu" else None)
-    set_side_table(r, torch.ops.ampkit.sgd_remainder(w, r, grad, buf, table, *_sgd_values(hyper), new))
+    set_side_table(r, torch.ops.ampkit.sgd_remainder(w, r, grad, buf, _table_arg(r), *_sgd_values(hyper), new))
 
 
 def sgd_8bit_step_(w, grad, bq, bs, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
