@@ -11,6 +11,20 @@ def same(a: list, b: list) -> bool:
     return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
 
 
+def assert_kernel_equals_reference(make, step, lib, moved: tuple) -> None:
+    """``step(tensors, lib)`` on ``make()`` by the eager reference (``lib=None``) and by the kernel
+    ``lib``: both write, the same bits; where a step has elements enough, the tensors at ``moved``
+    differ from a fresh ``make()`` (it stepped)."""
+    ref = make()
+    got = [t.clone() for t in ref]
+    assert step(ref, None)
+    assert step(got, lib)
+    assert same(ref, got)
+    if ref[0].numel() > 100:
+        fresh = make()
+        assert all(not torch.equal(ref[i], fresh[i]) for i in moved)
+
+
 def assert_threads_and_strides_agree(base: list, step, lib) -> None:
     """``step(tensors, lib)`` on copies of ``base``: the eager reference (``lib=None``), the kernel
     ``lib`` on one thread and on two, and on strided copies, the same bits."""

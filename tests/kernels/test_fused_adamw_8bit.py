@@ -10,7 +10,8 @@ from ampkit._kernels import native
 from ampkit._kernels.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, dequantize, quantize_
 from ampkit._kernels.fused_adamw import Hyper
 from ampkit._kernels.fused_adamw_8bit import BLOCK, span, step_
-from tests.kernels._eight_bit import assert_pieces_step_as_the_whole, assert_threads_and_strides_agree, same
+from tests.kernels._eight_bit import (assert_kernel_equals_reference, assert_pieces_step_as_the_whole,
+                                     assert_threads_and_strides_agree, same)
 
 HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
           Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0)]  # Adam with L2 decay, maximize
@@ -41,14 +42,8 @@ def test_span_counts_the_blocks_a_piece_touches():
 @pytest.mark.parametrize("n,first", [(0, 0), (1, 0), (7, 3), (1001, 0), (1001, 100), (300, 255),
                                      (3 * native.MIN_PER_THREAD + 5, 513)])
 def test_kernel_equals_the_eager_reference(lib, n, first, hyper, cap):
-    ref = tensors(n, first)
-    got = [t.clone() for t in ref]
-    assert step_(*ref, hyper, cap, 5, 2, 1, first, lib=None)
-    assert step_(*got, hyper, cap, 5, 2, 1, first, lib=lib)
-    assert same(ref, got)
-    if n > 100:  # it stepped: weights and both codes moved
-        fresh = tensors(n, first)
-        assert all(not torch.equal(ref[i], fresh[i]) for i in (0, 2, 4))
+    assert_kernel_equals_reference(lambda: tensors(n, first), lambda t, kernel: step_(*t, hyper, cap, 5, 2, 1, first, lib=kernel),
+                                   lib, moved=(0, 2, 4))  # weights and both codes
 
 
 def test_the_cap_binds_and_holds():

@@ -11,7 +11,8 @@ from ampkit._kernels.fused_adamw_8bit import BLOCK, span
 from ampkit._kernels.fused_sgd import Hyper
 from ampkit._kernels.fused_sgd_8bit import step_
 from ampkit._kernels.rounding import round_counter_
-from tests.kernels._eight_bit import assert_pieces_step_as_the_whole, assert_threads_and_strides_agree, same
+from tests.kernels._eight_bit import (assert_kernel_equals_reference, assert_pieces_step_as_the_whole,
+                                     assert_threads_and_strides_agree, same)
 
 HYPERS = [Hyper(0.1, 0.9, 0.0, 5e-4, False, False),  # the ImageNet recipe
           Hyper(3e-2, 0.8, 0.0, 1e-2, True, True)]  # Nesterov (dampening 0, as torch requires), maximize
@@ -54,14 +55,8 @@ def test_a_step_is_torchs_sgd_on_the_widened_buffer_rounded_with_the_counter_bit
 @pytest.mark.parametrize("n,first", [(0, 0), (1, 0), (7, 3), (1001, 0), (1001, 100), (300, 255),
                                      (3 * native.MIN_PER_THREAD + 5, 513)])
 def test_kernel_equals_the_eager_reference(lib, n, first, hyper, new):
-    ref = tensors(n, first)
-    got = [t.clone() for t in ref]
-    assert step_(*ref, hyper, new, 5, 2, 1, first, lib=None)
-    assert step_(*got, hyper, new, 5, 2, 1, first, lib=lib)
-    assert same(ref, got)
-    if n > 100:  # it stepped: weights and codes moved
-        fresh = tensors(n, first)
-        assert all(not torch.equal(ref[i], fresh[i]) for i in (0, 2))
+    assert_kernel_equals_reference(lambda: tensors(n, first), lambda t, kernel: step_(*t, hyper, new, 5, 2, 1, first, lib=kernel),
+                                   lib, moved=(0, 2))  # weights and codes
 
 
 def test_the_first_step_ignores_the_old_codes(lib):
