@@ -60,8 +60,8 @@ def step_native(lib, w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: in
     scales)`` of the same sizes, the old values put back on a non-finite step."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
     bad = ctypes.c_int64(0)
-    lib.adamw_8bit(*(native.ptr(t) for t in (w, grad, mq, ms, vq, vs)), ctypes.c_int64(w.numel()), ctypes.c_int64(first),
-                   native.u64(counter_bits.key(seed, step, tensor, 0)), consts, ctypes.c_float(cap if math.isfinite(cap) else math.nan),
+    lib.adamw_8bit(*(native.ptr(t) for t in (w, grad, mq, ms, vq, vs)), w.numel(), first,
+                   counter_bits.key(seed, step, tensor, 0), consts, cap if math.isfinite(cap) else math.nan,
                    *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
     if bad.value == 0:
         return True

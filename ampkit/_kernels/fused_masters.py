@@ -32,7 +32,7 @@ def step_master_native(lib, x, grad, m, v, hyper: Hyper, w: Optional[torch.Tenso
     """`step_master_eager` in one pass of the C kernel (contiguous flat CPU tensors)."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
     lib.adamw_master(*(native.ptr(t) for t in (x, grad, m, v)), None if w is None else native.ptr(w),
-                     ctypes.c_int64(x.numel()), consts, native.threads(x.numel()))
+                     x.numel(), consts, native.threads(x.numel()))
 
 
 def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
@@ -103,11 +103,10 @@ def captured(call, n: int) -> torch.Tensor:
     parts, todo = [], [(0, n)]
     while todo:
         lo, hi = todo.pop()
-        threads = native.threads(hi - lo)
-        k = threads.value
+        k = native.threads(hi - lo)
         cap = RBLOCK + 64 + (hi - lo) // k // 4096
         found, counts, done = _CAPTURE.buffers(k, cap)
-        call(lo, hi, found.data_ptr(), cap, counts, done, threads)
+        call(lo, hi, found.data_ptr(), cap, counts, done, k)
         for t in range(k):
             start, end = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k
             if counts[t]:  # a copy: the table owns its entries, the buffer is the next call's

@@ -52,8 +52,8 @@ def arithmetic(p, grad, buf, hyper: Hyper, new: bool):
     return p.sub(g.mul(lr)), buf
 
 
-def _mode(buf, new: bool) -> ctypes.c_int:
-    return ctypes.c_int(NO_BUFFER if buf is None else NEW_BUFFER if new else BUFFER)
+def _mode(buf, new: bool) -> int:
+    return NO_BUFFER if buf is None else NEW_BUFFER if new else BUFFER
 
 
 def step_master_eager(x, grad, buf, hyper: Hyper, new: bool, w: Optional[torch.Tensor] = None) -> None:
@@ -71,7 +71,7 @@ def step_master_native(lib, x, grad, buf, hyper: Hyper, new: bool, w: Optional[t
     """`step_master_eager` in one pass of the C kernel (contiguous flat CPU tensors)."""
     n = x.numel()
     lib.sgd_master(native.ptr(x), native.ptr(grad), None if buf is None else native.ptr(buf),
-                   None if w is None else native.ptr(w), ctypes.c_int64(n), _mode(buf, new), ctypes.c_int(hyper.flags()),
+                   None if w is None else native.ptr(w), n, _mode(buf, new), hyper.flags(),
                    (ctypes.c_float * 4)(*hyper.consts()), native.threads(n))
 
 
@@ -109,9 +109,9 @@ def step_native(lib, w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int
     """`step_eager` in one pass of the C kernel (contiguous flat CPU tensors, ``first`` an int)."""
     n = w.numel()
     fn = lib.sgd_bf16_state if buf is not None and buf.dtype == torch.bfloat16 else lib.sgd_fp32_state
-    fn(native.ptr(w), native.ptr(grad), None if buf is None else native.ptr(buf), ctypes.c_int64(n),
-       ctypes.c_int64(first), native.u64(counter_bits.key(seed, step, tensor, 0)), _mode(buf, new),
-       ctypes.c_int(hyper.flags()), (ctypes.c_float * 4)(*hyper.consts()), native.threads(n))
+    fn(native.ptr(w), native.ptr(grad), None if buf is None else native.ptr(buf), n,
+       first, counter_bits.key(seed, step, tensor, 0), _mode(buf, new),
+       hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()), native.threads(n))
 
 
 def step_(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, index: Index,

@@ -42,9 +42,9 @@ def step_native(lib, w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: 
     ranges cut at block boundaries; ``backup``: ``(w, codes, scales)`` of the same sizes, the
     old values put back on a non-finite step."""
     bad = ctypes.c_int64(0)
-    lib.sgd_8bit(*(native.ptr(t) for t in (w, grad, bq, bs)), ctypes.c_int64(w.numel()), ctypes.c_int64(first),
-                 native.u64(counter_bits.key(seed, step, tensor, 0)), ctypes.c_int(NEW_BUFFER if new else BUFFER),
-                 ctypes.c_int(hyper.flags()), (ctypes.c_float * 4)(*hyper.consts()),
+    lib.sgd_8bit(*(native.ptr(t) for t in (w, grad, bq, bs)), w.numel(), first,
+                 counter_bits.key(seed, step, tensor, 0), NEW_BUFFER if new else BUFFER,
+                 hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()),
                  *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
     if bad.value == 0:
         return True

@@ -13,7 +13,7 @@ from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
-__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_step_", "sgd_step_", "sgd_master_step_",
+__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_steps_", "sgd_step_", "sgd_master_step_",
            "sgd_remainder_step_", "sgd_8bit_step_"]
 
 
@@ -89,17 +89,23 @@ _declare("adamw_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!) m,
 
 
 def adamw_8bit(w, grad, mq, ms, vq, vs, backup, count, hyper, flags, cap, seed, step, tensor, first) -> torch.Tensor:
-    """O8's step (`fused_adamw_8bit.step_`); returns whether it wrote (a bool tensor: False on a
-    non-finite new weight, the old values then in ``backup``)."""
-    wrote = fused_adamw_8bit.step_(w, grad, mq, ms, vq, vs, _hyper(hyper, flags, count), cap, seed, step, tensor,
-                                   first, native.library(), tuple(backup))
-    return torch.tensor(wrote)
+    """O8's step (`fused_adamw_8bit.step_`) of each tensor ``w[i]`` in turn (its gradient, codes,
+    scales, step count ``count[i]``, ``cap[i]``, ``tensor[i]``, ``first[i]``; ``backup`` five
+    buffers each), stopping at the first whose new weight would not be finite (it wrote nothing,
+    its old values are in its backup); returns how many wrote (an int64 tensor). One call steps
+    the tensors of a chunk: the dispatcher's cost once, not per tensor."""
+    lib = native.library()
+    for i in range(len(w)):
+        if not fused_adamw_8bit.step_(w[i], grad[i], mq[i], ms[i], vq[i], vs[i], _hyper(hyper, flags, count[i]),
+                                      cap[i], seed, step, tensor[i], first[i], lib, tuple(backup[5 * i:5 * i + 5])):
+            return torch.tensor(i)
+    return torch.tensor(len(w))
 
 
-_declare("adamw_8bit(Tensor(a!) w, Tensor grad, Tensor(b!) mq, Tensor(c!) ms, Tensor(d!) vq, Tensor(e!) vs, "
-         "Tensor(f!)[] backup, Tensor count, float[] hyper, bool[] flags, float cap, int seed, int step, "
-         "int tensor, int first) -> Tensor",
-         adamw_8bit, lambda *args: torch.empty((), dtype=torch.bool))
+_declare("adamw_8bit(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] mq, Tensor(c!)[] ms, Tensor(d!)[] vq, "
+         "Tensor(e!)[] vs, Tensor(f!)[] backup, Tensor[] count, float[] hyper, bool[] flags, float[] cap, int seed, "
+         "int step, int[] tensor, int[] first) -> Tensor",
+         adamw_8bit, lambda *args: torch.empty((), dtype=torch.int64))
 
 
 def _sgd(hyper: list, flags: list) -> fused_sgd.Hyper:
@@ -178,11 +184,14 @@ def remainder_step_(w, r, grad, m, v, hyper: Hyper, count: torch.Tensor) -> None
     set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, _table_arg(r), count, *_values(hyper)))
 
 
-def adamw_8bit_step_(w, grad, mq, ms, vq, vs, hyper: Hyper, count: torch.Tensor, cap: float, seed: int, step: int,
-                     tensor: int, first: int, backup: tuple) -> bool:
-    """`fused_adamw_8bit.step_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
-    return bool(torch.ops.ampkit.adamw_8bit(w, grad, mq, ms, vq, vs, list(backup), count, *_values(hyper), cap, seed,
-                                            step, tensor, first))
+def adamw_8bit_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> int:
+    """`fused_adamw_8bit.step_` of each ``(w, grad, mq, ms, vq, vs, count, cap, tensor, first,
+    backup)`` of ``steps`` (CPU tensors; ``count``: the step count, as `adamw_step_`'s) in turn,
+    as the op: how many wrote before the first that would write a non-finite weight."""
+    lists = [list(column) for column in zip(*steps)] if steps else [[]] * 11
+    w, grad, mq, ms, vq, vs, count, cap, tensor, first, backup = lists
+    return int(torch.ops.ampkit.adamw_8bit(w, grad, mq, ms, vq, vs, [t for b in backup for t in b], count,
+                                           *_values(hyper), cap, seed, step, tensor, first))
 
 
 def sgd_step_(w, grad, buf, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, index: Index) -> None:

@@ -69,12 +69,12 @@ def round_counter_(dst: torch.Tensor, src: torch.Tensor, seed: int, step: int, t
     run = src.reshape(-1)
     out = dst.view(-1) if dst.is_contiguous() else torch.empty(n, dtype=torch.bfloat16, device=dst.device)
     if lib is not None and isinstance(index, int) and src.device.type == "cpu":
-        args = (native.ptr(run), native.ptr(out), ctypes.c_int64(n), ctypes.c_int64(index),
-                native.u64(counter_bits.key(seed, step, tensor, stream // 4)))
+        args = (native.ptr(run), native.ptr(out), n, index,
+                counter_bits.key(seed, step, tensor, stream // 4))
         if paired:
             lib.round_bf16_paired(*args, native.threads(n))
         else:
-            lib.round_bf16(*args, ctypes.c_int(counter_bits.shift16(stream)), native.threads(n))
+            lib.round_bf16(*args, counter_bits.shift16(stream), native.threads(n))
     else:
         index = index.reshape(-1).to(src.device) if torch.is_tensor(index) else index
         bits = run.view(torch.int32)

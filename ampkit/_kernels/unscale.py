@@ -73,8 +73,8 @@ def _check_without_unscaling(group: list, flag: torch.Tensor) -> list:
     def fits(g):
         return g.is_contiguous() and g.numel() >= native.MIN_PER_THREAD
 
-    exp, size = ctypes.c_uint32(EXPONENT[group[0].dtype]), ctypes.c_int(group[0].element_size())
-    if any(lib.any_nonfinite(native.ptr(g), ctypes.c_int64(g.numel()), size, exp, native.threads(g.numel()))
+    exp, size = EXPONENT[group[0].dtype], group[0].element_size()
+    if any(lib.any_nonfinite(native.ptr(g), g.numel(), size, exp, native.threads(g.numel()))
            for g in group if fits(g)):  # reads only: it may stop at the first non-finite tensor
         flag.fill_(1.0)
     return [g for g in group if not fits(g)]
@@ -92,8 +92,8 @@ def _widen_and_unscale(dst: list, src: list, inv_scale: float, flag: torch.Tenso
 
     if lib is None:
         return dst, src
-    found = [lib.widen_scaled(native.ptr(s), native.ptr(d), ctypes.c_int64(s.numel()), s.dtype == torch.float16,
-                              ctypes.c_float(inv_scale), native.threads(s.numel()))
+    found = [lib.widen_scaled(native.ptr(s), native.ptr(d), s.numel(), s.dtype == torch.float16,
+                              inv_scale, native.threads(s.numel()))
              for d, s in zip(dst, src) if fits(d, s)]  # every pair written, whatever the first ones hold
     if any(found):
         flag.fill_(1.0)

@@ -50,8 +50,9 @@ def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable
         with torch.no_grad():
             return ops.sgd_8bit_step_(q, local(grads[p]), local(state[CODES]), state[SCALES], h, new, rounder.seed,
                                       rounder.step, ids[p], global_index(p), backup)
-    return fused_update_8bit.run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer), step_one,
-                                       functools.partial(_undo, optimizer), backups)
+    return fused_update_8bit.run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer),
+                                       fused_update_8bit.one_by_one(step_one), functools.partial(_undo, optimizer),
+                                       backups)
 
 
 def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
@@ -64,10 +65,12 @@ def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
     return True
 
 
-def _undo(optimizer, p: torch.Tensor, created: bool, backup: tuple) -> None:
-    """Put back ``p``'s weight, codes and scales from before the step (no buffer if it had none)."""
+def _undo(optimizer, p: torch.Tensor, created: bool, backup: Optional[tuple]) -> None:
+    """Put back ``p``'s weight, codes and scales from before the step (``backup`` None: it never
+    stepped; no buffer if it had none)."""
     state = optimizer.state[p]
-    with torch.no_grad():
-        restore_(local(p), local(state[CODES]), state[SCALES], backup)
+    if backup is not None:
+        with torch.no_grad():
+            restore_(local(p), local(state[CODES]), state[SCALES], backup)
     if created:
         optimizer.state.pop(p)

@@ -6,6 +6,7 @@ it overwrites, so a chunk with a non-finite weight is undone. ``AMPKIT_FUSED=0``
 optimizer's own step. Design notes: docs/design/update-engine.md.
 """
 import functools
+import itertools
 import math
 from typing import Callable, Optional
 
@@ -44,39 +45,47 @@ def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable
     """One AdamW / Adam step of each ``(group, p)`` of ``chunk`` (all `eligible`); ``skip``,
     ``scratch`` and the result as `run_chunk`'s."""
     bound = next(b[3] for b in state_8bit.BOUNDED if isinstance(optimizer, b[0]))
-
-    def step_one(group, p, q, created, backup) -> bool:
-        return _step_one(optimizer, group, p, q, grads[p], rounder, ids[p], bound, backup)
-    return run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer), step_one,
+    return run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer),
+                     functools.partial(_step_all, optimizer, grads, rounder, ids, bound),
                      functools.partial(_undo, optimizer))
 
 
-def run_chunk(chunk: list, scratch: dict, skip: Callable, start: Callable, step_one: Callable,
+def run_chunk(chunk: list, scratch: dict, skip: Callable, start: Callable, step_all: Callable,
               undo_one: Callable, backups_of: Callable = backups) -> Optional[Callable]:
-    """Step each ``(group, p)`` of ``chunk`` in an O8 kernel that backs up what it overwrites
+    """Step the ``(group, p)`` of ``chunk`` in an O8 kernel that backs up what it overwrites
     (``backups_of``, in ``scratch``): ``start(p, q)`` says whether ``p``'s state was made now,
-    ``step_one(group, p, q, created, backup)`` whether it wrote (False: a non-finite weight,
-    the chunk is skipped), ``undo_one(p, created, backup)`` puts it back. ``skip(bad, device)``
-    says whether the chunk, whose parameters ``bad`` got non-finite weights here (maybe none),
-    is skipped (on any rank). None when it was (nothing written), else a function that undoes
-    the step (until the next call with ``scratch``)."""
+    ``step_all(items)`` steps the ``(group, p, q, created, backup)`` in turn and says how many
+    wrote (fewer than all: the next would have written a non-finite weight, it and the rest
+    wrote nothing, the chunk is skipped), ``undo_one(p, created, backup)`` puts one back
+    (``backup`` None: it never stepped). ``skip(bad, device)`` says whether the chunk, whose
+    parameters ``bad`` got non-finite weights here (maybe none), is skipped (on any rank).
+    None when it was (nothing written), else a function that undoes the step (until the next
+    call with ``scratch``)."""
     parts = [local(p) for _, p in chunk]
     saved = backups_of([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
-    done, bad = [], []
-    for (group, p), q, backup in zip(chunk, parts, saved):
-        done.append((p, start(p, q), backup))
-        if not step_one(group, p, q, done[-1][1], backup):
-            bad.append(p)
-            break  # the chunk is skipped: the rest need no step
+    started = [(p, start(p, q), backup) for (_, p), q, backup in zip(chunk, parts, saved)]
+    wrote = step_all([(g, p, q, created, backup) for (g, _), q, (p, created, backup) in zip(chunk, parts, started)])
+    bad = [chunk[wrote][1]] if wrote < len(chunk) else []
 
     def undo():
-        for p, created, backup in reversed(done):
-            undo_one(p, created, backup)
+        for i in reversed(range(len(started))):
+            p, created, backup = started[i]
+            undo_one(p, created, backup if i <= wrote else None)
 
     if skip(bad, parts[0].device):
         undo()
         return None
     return undo
+
+
+def one_by_one(step_one: Callable) -> Callable:
+    """A `run_chunk` ``step_all`` from ``step_one(group, p, q, created, backup)`` (whether it wrote)."""
+    def step_all(items) -> int:
+        for i, item in enumerate(items):
+            if not step_one(*item):
+                return i
+        return len(items)
+    return step_all
 
 
 def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
@@ -91,22 +100,35 @@ def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
     return True
 
 
-def _step_one(optimizer, group, p, q, grad, rounder, tensor: int, bound, backup) -> bool:
-    """The step of one parameter (local part ``q``); False when it wrote nothing (non-finite weights)."""
-    state = optimizer.state[p]
-    state["step"] += 1
-    cap = bound(group, state["step"].item())
-    m, v = ([local(state[k + state_8bit.CODES]), state[k + state_8bit.SCALES]] for k in KEYS)
-    with torch.no_grad():  # the declared op reads the step count itself, as fused_update.step's
-        return ops.adamw_8bit_step_(q, local(grad), *m, *v, fused_update.hyper(optimizer, group, 0.0), state["step"],
-                                    cap if math.isfinite(cap) else math.nan, rounder.seed, rounder.step, tensor,
-                                    global_index(p), backup)
+def _step_all(optimizer, grads: dict, rounder, ids: dict, bound, items) -> int:
+    """`run_chunk`'s ``step_all``: each parameter's step count advanced (one foreach call), then
+    the declared op once per run of parameters of one group; how many wrote."""
+    states = [optimizer.state[p] for _, p, *_ in items]
+    torch._foreach_add_([st["step"] for st in states], 1)
+    wrote, hypers = 0, {}
+    for group, run in itertools.groupby(zip(items, states), key=lambda item: id(item[0][0])):
+        run = list(run)
+        group = run[0][0][0]
+        steps = []
+        for (_, p, q, _, backup), state in run:
+            cap = bound(group, state["step"].item())
+            steps.append((q, local(grads[p]), local(state["exp_avg" + state_8bit.CODES]), state["exp_avg" + state_8bit.SCALES],
+                          local(state["exp_avg_sq" + state_8bit.CODES]), state["exp_avg_sq" + state_8bit.SCALES],
+                          state["step"], cap if math.isfinite(cap) else math.nan, ids[p], global_index(p), backup))
+        with torch.no_grad():  # the declared op reads the step counts itself, as fused_update.step's
+            done = ops.adamw_8bit_steps_(steps, fused_update.hyper(optimizer, group, 0.0), rounder.seed, rounder.step)
+        wrote += done
+        if done < len(steps):
+            break
+    return wrote
 
 
-def _undo(optimizer, p: torch.Tensor, created: bool, backup: tuple) -> None:
-    """Put back ``p``'s weight, codes, scales and step count from before the step."""
+def _undo(optimizer, p: torch.Tensor, created: bool, backup: Optional[tuple]) -> None:
+    """Put back ``p``'s weight, codes and scales from before the step (``backup`` None: it never
+    stepped) and its step count; drop the state the step made."""
     state = optimizer.state.pop(p) if created else optimizer.state[p]
-    with torch.no_grad():
-        restore_(local(p), local(state["exp_avg" + state_8bit.CODES]), state["exp_avg" + state_8bit.SCALES],
-                 local(state["exp_avg_sq" + state_8bit.CODES]), state["exp_avg_sq" + state_8bit.SCALES], backup)
+    if backup is not None:
+        with torch.no_grad():
+            restore_(local(p), local(state["exp_avg" + state_8bit.CODES]), state["exp_avg" + state_8bit.SCALES],
+                     local(state["exp_avg_sq" + state_8bit.CODES]), state["exp_avg_sq" + state_8bit.SCALES], backup)
     state["step"] -= 1

@@ -49,7 +49,7 @@ def test_each_entry_has_its_definitions_types(name):
 def test_a_wrong_argument_is_a_ctypes_error_not_a_call(lib):
     x, out = torch.ones(4), torch.empty(4, dtype=torch.bfloat16)
     with pytest.raises(ctypes.ArgumentError):  # a tensor where its address goes
-        lib.round_bf16(x, native.ptr(out), 4, 0, native.u64(1), 0, 1)
+        lib.round_bf16(x, native.ptr(out), 4, 0, 1, 0, 1)
     with pytest.raises(ctypes.ArgumentError):  # an int64 array where the float constants go
         lib.adamw_master(*(native.ptr(x) for _ in range(4)), None, 4, (ctypes.c_int64 * 10)(), 1)
     with pytest.raises(TypeError, match="takes at least 5 arguments"):  # too few

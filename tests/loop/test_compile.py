@@ -313,8 +313,8 @@ def test_the_remainder_op_compiles_into_one_graph_with_the_eager_bits(lib):
 
 
 def test_the_8bit_op_compiles_into_one_graph_with_the_eager_bits(lib):
-    """O8's op (its result, whether it wrote, read after the graph) from element 100 of a tensor:
-    a leading partial block."""
+    """O8's op (its result, how many tensors wrote, read after the graph) from element 100 of a
+    tensor: a leading partial block."""
     from ampkit._kernels import ops
     from ampkit._kernels.fused_adamw import Hyper
     from ampkit._kernels.fused_adamw_8bit import backups, span
@@ -324,8 +324,8 @@ def test_the_8bit_op_compiles_into_one_graph_with_the_eager_bits(lib):
 
     def step(w, g, mq, ms, vq, vs, bw, bmq, bvq, bms, bvs, count, rstep):
         count += 1
-        return torch.ops.ampkit.adamw_8bit(w, g, mq, ms, vq, vs, [bw, bmq, bvq, bms, bvs], count,
-                                           *ops._values(Hyper(**HYPER)), 10.0, 7, rstep, 3, first)
+        return torch.ops.ampkit.adamw_8bit([w], [g], [mq], [ms], [vq], [vs], [bw, bmq, bvq, bms, bvs], [count],
+                                           *ops._values(Hyper(**HYPER)), [10.0], 7, rstep, [3], [first])
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, generator=gen).bfloat16()

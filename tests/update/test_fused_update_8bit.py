@@ -207,6 +207,34 @@ def test_a_chunk_with_a_non_finite_weight_writes_nothing_on_either_path(monkeypa
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("first_step", [True, False])
+def test_a_non_finite_weight_mid_chunk_puts_back_every_fused_tensor(lib, first_step):
+    """Three fused tensors in one chunk, one group each (the op runs per group): the middle one's
+    weight goes infinite, so the first one has written, the middle one writes nothing and the
+    last one never steps. The whole chunk is put back: weights, codes, scales and step counts
+    keep their bits, and on a first step no state is left behind; the next step goes on."""
+    model = _Three(600, {"u": 3.3e38})
+    opt = torch.optim.Adam([{"params": [model.w]}, {"params": [model.u], "maximize": True}, {"params": [model.v]}],
+                           lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level="O8", verbosity=0)
+    calls, x = calls_of_own_step(opt), torch.ones(600)
+    if not first_step:
+        train_on(model, opt, x)
+        assert not ampkit.step_was_skipped(opt) and sum(map(bool, opt.state.values())) == 3
+    opt.param_groups[1]["lr"] = 3e37
+    weights, state = [p.detach().clone() for p in model.parameters()], copy.deepcopy(raw_state(opt))
+    train_on(model, opt, x)
+    assert ampkit.step_was_skipped(opt) and not calls  # all three fused, none through the optimizer's own step
+    assert all(torch.equal(bits(p), bits(w)) for p, w in zip(model.parameters(), weights))
+    after = raw_state(opt)
+    assert after.keys() == state.keys() and all(torch.equal(bits(state[k]), bits(after[k])) for k in state)
+    assert sum(map(bool, opt.state.values())) == (0 if first_step else 3)  # raw_state's lookups add empty entries
+    opt.param_groups[1]["lr"] = 1e-3
+    train_on(model, opt, x)
+    assert not ampkit.step_was_skipped(opt) and all(torch.isfinite(p).all() for p in model.parameters())
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1 if first_step else 2] * 3
+
+
 @pytest.mark.parametrize("case", ["one_large_per_block", "decades"])
 def test_the_adam_bound_holds_per_element_on_the_fused_path(lib, case):
     """AdamW, lr 1e-3, 60 steps of the issue's case (as in test_state_8bit, there on the eager

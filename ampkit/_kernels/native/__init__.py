@@ -16,7 +16,7 @@ from . import build
 from .build import cache_dir, compiler
 from .lib import declare
 
-__all__ = ["library", "status", "is_compatible", "compiler", "cache_dir", "threads", "ptr", "u64", "MIN_PER_THREAD"]
+__all__ = ["library", "status", "is_compatible", "compiler", "cache_dir", "threads", "ptr", "MIN_PER_THREAD"]
 
 MIN_PER_THREAD = 1 << 15  # elements: below this a call stays on one thread
 
@@ -69,15 +69,12 @@ def status() -> str:
     return f"not built: {_state['why']}" + "".join(f"\n  {line}" for line in _state.get("log", "").splitlines())
 
 
-def threads(n: int) -> ctypes.c_int:
+def threads(n: int) -> int:
     """The threads a kernel call over ``n`` elements runs on: torch's, one when ``n`` is small."""
-    return ctypes.c_int(max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD)))
+    return max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
 
 
-def ptr(t: torch.Tensor, at: int = 0) -> ctypes.c_void_p:
-    """The address of element ``at`` of contiguous ``t``."""
-    return ctypes.c_void_p(t.data_ptr() + at * t.element_size())
-
-
-def u64(x: int) -> ctypes.c_uint64:
-    return ctypes.c_uint64(x & ((1 << 64) - 1))
+def ptr(t: torch.Tensor, at: int = 0) -> int:
+    """The address of element ``at`` of contiguous ``t``, a plain int: the symbol table's
+    argtypes convert it (a ctypes object per argument cost about 0.6 us a pointer)."""
+    return t.data_ptr() + at * t.element_size() if at else t.data_ptr()
