@@ -55,9 +55,9 @@ def step_eager(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, ste
 
 def step_native(lib, w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int,
                 first: int, backup) -> bool:
-    """`step_eager` in one pass of the C kernel (flat contiguous CPU tensors), threads
-    over ranges cut at block boundaries; ``backup``: ``(w, m codes, v codes, m scales, v
-    scales)`` of the same sizes, the old values put back on a non-finite step."""
+    """`step_eager` in one pass of the C kernel (contiguous CPU tensors), threads over ranges
+    cut at block boundaries; ``backup``: ``(w, m codes, v codes, m scales, v scales)`` of the
+    same sizes (flat), the old values put back on a non-finite step."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
     bad = ctypes.c_int64(0)
     lib.adamw_8bit(*(native.ptr(t) for t in (w, grad, mq, ms, vq, vs)), w.numel(), first,
@@ -65,8 +65,7 @@ def step_native(lib, w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: in
                    *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
     if bad.value == 0:
         return True
-    for t, b in zip((w, mq, vq, ms, vs), backup):
-        t.copy_(b)
+    restore_(w, mq, ms, vq, vs, backup)
     return False
 
 
@@ -91,8 +90,8 @@ def step_(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: in
 def step_flat_(tensors: list, backed: tuple, backup: Optional[tuple], backups_of, lib: Optional[ctypes.CDLL],
                native_step, eager_step, *args, first: int) -> bool:
     """An O8 step of ``tensors`` (the weight from global index ``first``, its gradient, then the
-    state; nothing to do when empty) on flat contiguous views: ``native_step(lib, *views, *args,
-    first, backup)`` on CPU with ``lib``, else the views numbered ``backed`` copied to ``backup``
+    state; nothing to do when empty) made contiguous: ``native_step(lib, *tensors, *args, first,
+    backup)`` on CPU with ``lib``, else their flat views numbered ``backed`` copied to ``backup``
     and ``eager_step(*views, *args, first)``; ``backup``: fresh ``backups_of`` buffers when None.
     When it wrote, the copies of non-contiguous tensors (but the gradient) are copied back.
     Whether it wrote."""
@@ -101,10 +100,10 @@ def step_flat_(tensors: list, backed: tuple, backup: Optional[tuple], backups_of
         return True
     backup = backups_of([(n, span(n, first))], {})[0] if backup is None else backup
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    views = [f.view(-1) for f in flat]
     if lib is not None and tensors[0].device.type == "cpu":
-        wrote = native_step(lib, *views, *args, first, backup)
+        wrote = native_step(lib, *flat, *args, first, backup)  # contiguous: their addresses are flat memory
     else:
+        views = [f.view(-1) for f in flat]
         for b, i in zip(backup, backed):
             b.copy_(views[i])
         wrote = eager_step(*views, *args, first)

@@ -38,8 +38,8 @@ def step_eager(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, t
 
 def step_native(lib, w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
                 backup) -> bool:
-    """`step_eager` in one pass of the C kernel (flat contiguous CPU tensors), threads over
-    ranges cut at block boundaries; ``backup``: ``(w, codes, scales)`` of the same sizes, the
+    """`step_eager` in one pass of the C kernel (contiguous CPU tensors), threads over ranges
+    cut at block boundaries; ``backup``: ``(w, codes, scales)`` of the same sizes (flat), the
     old values put back on a non-finite step."""
     bad = ctypes.c_int64(0)
     lib.sgd_8bit(*(native.ptr(t) for t in (w, grad, bq, bs)), w.numel(), first,

@@ -13,7 +13,7 @@ from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
-__all__ = ["adamw_step_", "master_step_", "remainder_step_", "adamw_8bit_steps_", "sgd_step_", "sgd_master_step_",
+__all__ = ["adamw_steps_", "master_steps_", "remainder_steps_", "adamw_8bit_steps_", "sgd_step_", "sgd_master_step_",
            "sgd_remainder_step_", "sgd_8bit_step_"]
 
 
@@ -49,32 +49,39 @@ def _declare(schema: str, impl, fake) -> None:
 
 
 def adamw_bf16(w, grad, m, v, count, hyper, flags, seed, step, tensor, first) -> None:
-    """O7's step (`fused_adamw.step_`) of bf16 ``w`` from element ``first`` on; ``count``: the
-    tensor's step count (this step included); ``hyper``: lr, beta1, beta2, eps, weight_decay;
-    ``flags``: decoupled, maximize."""
-    fused_adamw.step_(w, grad, m, v, _hyper(hyper, flags, count), seed, step, tensor, first, native.library())
+    """O7's step (`fused_adamw.step_`) of each bf16 ``w[i]`` from element ``first[i]`` on (its
+    gradient, state, ``tensor[i]``); ``count[i]``: its step count (this step included);
+    ``hyper``: lr, beta1, beta2, eps, weight_decay; ``flags``: decoupled, maximize. One call
+    steps the tensors of a param group: the dispatcher's cost once, not per tensor."""
+    lib = native.library()
+    for i in range(len(w)):
+        fused_adamw.step_(w[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), seed, step, tensor[i], first[i],
+                          lib)
 
 
-_declare("adamw_bf16(Tensor(a!) w, Tensor grad, Tensor(b!) m, Tensor(c!) v, Tensor count, float[] hyper, "
-         "bool[] flags, int seed, int step, int tensor, int first) -> ()",
+_declare("adamw_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)[] v, Tensor[] count, float[] hyper, "
+         "bool[] flags, int seed, int step, int[] tensor, int[] first) -> ()",
          adamw_bf16, lambda w, grad, m, v, count, hyper, flags, seed, step, tensor, first: None)
 
 
 def adamw_master(x, grad, m, v, w, count, hyper, flags) -> None:
-    """O5's step of float32 master ``x`` and its bf16 model weight ``w``
-    (`fused_masters.step_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
-    fused_masters.step_master_(x, grad, m, v, _hyper(hyper, flags, count), w, native.library())
+    """O5's step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]`` (``w`` empty:
+    none) (`fused_masters.step_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
+    lib = native.library()
+    for i in range(len(x)):
+        fused_masters.step_master_(x[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), w[i] if w else None, lib)
 
 
-_declare("adamw_master(Tensor(a!) x, Tensor grad, Tensor(b!) m, Tensor(c!) v, Tensor(d!)? w, Tensor count, "
-         "float[] hyper, bool[] flags) -> ()",
+_declare("adamw_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)[] v, Tensor(d!)[] w, "
+         "Tensor[] count, float[] hyper, bool[] flags) -> ()",
          adamw_master, lambda x, grad, m, v, w, count, hyper, flags: None)
 
 
 def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tensor:
     """The remainder masters' step (`fused_masters.step_remainder_`) of ``(w, r)`` with ``r``'s
     side table ``table``; returns the new side table (a tensor argument and result, not ``r``'s
-    attribute: a traced op may be handed copies of its arguments)."""
+    attribute: a traced op may be handed copies of its arguments; one tensor a call, as torch
+    cannot functionalize an op that returns a list)."""
     return fused_masters.step_remainder_table_(w, r, grad, m, v, _hyper(hyper, flags, count), table, native.library())
 
 
@@ -163,25 +170,36 @@ _declare("sgd_8bit(Tensor(a!) w, Tensor grad, Tensor(b!) bq, Tensor(c!) bs, Tens
          sgd_8bit, lambda *args: torch.empty((), dtype=torch.bool))
 
 
-def adamw_step_(w, grad, m, v, hyper: Hyper, count: torch.Tensor, seed: int, step: int, tensor: int,
-                index: Index) -> None:
-    """`fused_adamw.step_` of CPU tensors with ``hyper`` at step ``count`` (a tensor, read in the
-    op: ``hyper.step`` is not used): the declared op where ``index`` is an int (the C kernel's
-    case), else the eager reference."""
-    if not isinstance(index, int):
-        hyper = dataclasses.replace(hyper, step=count.item())
-        return fused_adamw.step_(w, grad, m, v, hyper, seed, step, tensor, index)
-    torch.ops.ampkit.adamw_bf16(w, grad, m, v, count, *_values(hyper), seed, step, tensor, index)
+def adamw_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> None:
+    """`fused_adamw.step_` of each ``(w, grad, m, v, count, tensor, index)`` of ``steps`` (CPU
+    tensors of one group) with ``hyper`` at step ``count`` (a tensor, read in the op:
+    ``hyper.step`` is not used): the declared op, once, for those whose ``index`` is an int (the C
+    kernel's case), the eager reference for the others."""
+    runs = [s for s in steps if isinstance(s[6], int)]
+    for w, grad, m, v, count, tensor, index in (s for s in steps if not isinstance(s[6], int)):
+        fused_adamw.step_(w, grad, m, v, dataclasses.replace(hyper, step=count.item()), seed, step, tensor, index)
+    if runs:
+        w, grad, m, v, count, tensor, first = (list(column) for column in zip(*runs))
+        torch.ops.ampkit.adamw_bf16(w, grad, m, v, count, *_values(hyper), seed, step, tensor, first)
 
 
-def master_step_(x, grad, m, v, hyper: Hyper, count: torch.Tensor, w: Optional[torch.Tensor] = None) -> None:
-    """`fused_masters.step_master_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
-    torch.ops.ampkit.adamw_master(x, grad, m, v, w, count, *_values(hyper))
+def master_steps_(steps: list, hyper: Hyper) -> None:
+    """`fused_masters.step_master_` of each ``(x, grad, m, v, count, w)`` of ``steps`` (CPU tensors
+    of one group, at step ``count`` as `adamw_steps_`'s; ``w`` None for all or none), as the op."""
+    x, grad, m, v, count, w = (list(column) for column in zip(*steps)) if steps else [[]] * 6
+    weights = [t for t in w if t is not None]
+    if weights and len(weights) != len(x):
+        raise ValueError("ops.master_steps_: a bf16 weight for every master or for none, got "
+                         f"{len(weights)} for {len(x)}.")
+    torch.ops.ampkit.adamw_master(x, grad, m, v, weights, count, *_values(hyper))
 
 
-def remainder_step_(w, r, grad, m, v, hyper: Hyper, count: torch.Tensor) -> None:
-    """`fused_masters.step_remainder_` of CPU tensors at step ``count`` (as `adamw_step_`'s), as the op."""
-    set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, _table_arg(r), count, *_values(hyper)))
+def remainder_steps_(steps: list, hyper: Hyper) -> None:
+    """`fused_masters.step_remainder_` of each ``(w, r, grad, m, v, count)`` of ``steps`` (CPU
+    tensors of one group, at step ``count`` as `adamw_steps_`'s), as the op (one call each)."""
+    values = _values(hyper)
+    for w, r, grad, m, v, count in steps:
+        set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, _table_arg(r), count, *values))
 
 
 def adamw_8bit_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> int:

@@ -118,13 +118,19 @@ def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
 
 
 def _advance(optimizer, p: torch.Tensor, dtype) -> dict:
-    """``p``'s state (made as torch makes it on a first step, in ``dtype``) with its step count advanced."""
+    """`_state` with its step count advanced."""
+    state = _state(optimizer, p, dtype)
+    state["step"] += 1
+    return state
+
+
+def _state(optimizer, p: torch.Tensor, dtype) -> dict:
+    """``p``'s state, made as torch makes it on a first step (in ``dtype``) where it has none."""
     state = optimizer.state[p]
     if not state:
         state["step"] = torch.tensor(0.0)
         for k in STATE_KEYS[1:]:
             state[k] = like(torch.zeros_like(local(p), dtype=dtype, memory_format=torch.preserve_format), p)
-    state["step"] += 1
     return state
 
 
@@ -137,23 +143,44 @@ def hyper(optimizer, group: dict, step: float) -> Hyper:
 
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
-    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible`)."""
+    """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible`): the step
+    counts advanced in one foreach call, then on CPU the declared op once per group, elsewhere
+    the compiled kernel per tensor."""
     dtype = state_dtype if state_dtype == torch.bfloat16 else torch.float32
-    compiles, hypers = {}, {}  # per device, per group (looked up once a step, not per tensor)
-    for group, p in params:
-        state = _advance(optimizer, p, dtype)
-        args = (local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]))
-        bits = (rounder.seed, rounder.step, ids[p], global_index(p))
-        device = args[0].device
+    states = _advanced(optimizer, [p for _, p in params], dtype)
+    compiles, cpu = {}, []  # per device; the CPU tensors' (group, p, state)
+    for (group, p), state in zip(params, states):
+        device = local(p).device
         if device not in compiles:
             compiles[device] = compiled_update.available(device)
+        if not compiles[device]:
+            cpu.append((group, p, state))
+            continue
         with torch.no_grad():
-            if compiles[device]:
-                compiled_update.step_(*args, hyper(optimizer, group, state["step"].item()), *bits)
-            else:  # the declared op reads the step count itself: a compiled step has no .item() here
-                if id(group) not in hypers:
-                    hypers[id(group)] = hyper(optimizer, group, 0.0)
-                ops.adamw_step_(*args, hypers[id(group)], state["step"], *bits)
+            compiled_update.step_(local(p), local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                                  hyper(optimizer, group, state["step"].item()), rounder.seed, rounder.step, ids[p],
+                                  global_index(p))
+    with torch.no_grad():  # the declared op reads the step count itself: a compiled step has no .item() here
+        for group, run in _by_group(cpu):
+            ops.adamw_steps_([(local(p), local(grads[p]), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"],
+                               ids[p], global_index(p)) for p, st in run], hyper(optimizer, group, 0.0),
+                             rounder.seed, rounder.step)
+
+
+def _advanced(optimizer, params: list, dtype) -> list:
+    """The state of each of ``params`` (`_state`), its step count advanced (one foreach call)."""
+    states = [_state(optimizer, p, dtype) for p in params]
+    if states:
+        torch._foreach_add_([state["step"] for state in states], 1)
+    return states
+
+
+def _by_group(items) -> list:
+    """``(group, [rest of each item])`` of ``(group, *rest)`` items, groups in their first item's order."""
+    runs = {}
+    for group, *rest in items:
+        runs.setdefault(id(group), (group, []))[1].append(rest)
+    return list(runs.values())
 
 
 def step_fp32_(optimizer, params) -> None:
@@ -179,24 +206,21 @@ def masters_to_step(optimizer, owner: dict) -> list:
 def step_masters(optimizer, items) -> None:
     """One AdamW / Adam step of each O5 master of ``items`` (from `masters_to_step`),
     writing its bf16 model parameter too."""
-    for group, m, p in items:
-        state = _advance(optimizer, m, torch.float32)
-        with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
-            ops.master_step_(local(m), local(m.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                             hyper(optimizer, group, 0.0), state["step"], local(p))
+    states = _advanced(optimizer, [m for _, m, _ in items], torch.float32)
+    with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
+        for group, run in _by_group((g, m, p, st) for (g, m, p), st in zip(items, states)):
+            ops.master_steps_([(local(m), local(m.grad), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"],
+                                local(p)) for m, p, st in run], hyper(optimizer, group, 0.0))
 
 
 def step_remainders(optimizer, params, grads: dict, remainders) -> None:
     """One AdamW / Adam step of each ``(group, p)`` of ``params`` (all `eligible` with
     float32 state), whose master is ``p`` with ``remainders[i]``."""
-    hypers = {}  # per group, looked up once a step (the op reads the step count itself)
-    for (group, p), r in zip(params, remainders):
-        state = _advance(optimizer, p, torch.float32)
-        if id(group) not in hypers:
-            hypers[id(group)] = hyper(optimizer, group, 0.0)
-        with torch.no_grad():
-            ops.remainder_step_(local(p), r, local(grads[p]), local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                                hypers[id(group)], state["step"])
+    states = _advanced(optimizer, [p for _, p in params], torch.float32)
+    with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
+        for group, run in _by_group((g, p, r, st) for (g, p), r, st in zip(params, remainders, states)):
+            ops.remainder_steps_([(local(p), r, local(grads[p]), local(st["exp_avg"]), local(st["exp_avg_sq"]),
+                                   st["step"]) for p, r, st in run], hyper(optimizer, group, 0.0))
 
 
 def order_state(opt, ids: dict) -> None:

@@ -19,6 +19,7 @@ from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
 
 KEYS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # the packed keys and their code dtypes
+NAMES = {"step"} | {k + suffix for k in KEYS for suffix in (state_8bit.CODES, state_8bit.SCALES)}  # a packed state's keys
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -34,8 +35,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     if not state:
         return True
     q = local(p)
-    names = {"step"} | {k + suffix for k in KEYS for suffix in (state_8bit.CODES, state_8bit.SCALES)}
-    return (set(state) == names and torch.is_tensor(state["step"]) and state["step"].device.type == "cpu"
+    return (set(state) == NAMES and torch.is_tensor(state["step"]) and state["step"].device.type == "cpu"
             and all(local(state[k + state_8bit.CODES]).dtype == dtype and local(state[k + state_8bit.CODES]).shape == q.shape
                     and state[k + state_8bit.SCALES].dtype == torch.float32
                     and state[k + state_8bit.SCALES].numel() == span(q.numel(), first) for k, dtype in KEYS.items()))
