@@ -13,8 +13,8 @@ from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
-__all__ = ["adamw_steps_", "master_steps_", "remainder_steps_", "adamw_8bit_steps_", "sgd_step_", "sgd_master_step_",
-           "sgd_remainder_step_", "sgd_8bit_step_"]
+__all__ = ["adamw_steps_", "master_steps_", "remainder_steps_", "adamw_8bit_steps_", "sgd_steps_", "sgd_master_steps_",
+           "sgd_remainder_step_", "sgd_8bit_steps_"]
 
 
 _NO_TABLE = torch.empty(0, dtype=torch.int64)  # the op's argument for a CPU remainder without a table (only read)
@@ -125,23 +125,29 @@ def _sgd_values(hyper: fused_sgd.Hyper) -> tuple:
 
 
 def sgd_bf16(w, grad, buf, hyper, flags, new, seed, step, tensor, first) -> None:
-    """O7's SGD step (`fused_sgd.step_`) of bf16 ``w`` from element ``first`` on; ``buf``: its
-    momentum buffer (None when momentum is 0), made from the gradient when ``new``."""
-    fused_sgd.step_(w, grad, buf, _sgd(hyper, flags), new, seed, step, tensor, first, native.library())
+    """O7's SGD step (`fused_sgd.step_`) of each bf16 ``w[i]`` from element ``first[i]`` on;
+    ``buf[i]``: its momentum buffer (``buf`` empty when momentum is 0), made from the gradient
+    when ``new[i]``. One call steps the tensors of a param group."""
+    lib, h = native.library(), _sgd(hyper, flags)
+    for i in range(len(w)):
+        fused_sgd.step_(w[i], grad[i], buf[i] if buf else None, h, new[i], seed, step, tensor[i], first[i], lib)
 
 
-_declare("sgd_bf16(Tensor(a!) w, Tensor grad, Tensor(b!)? buf, float[] hyper, bool[] flags, bool new, int seed, "
-         "int step, int tensor, int first) -> ()",
+_declare("sgd_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] buf, float[] hyper, bool[] flags, bool[] new, "
+         "int seed, int step, int[] tensor, int[] first) -> ()",
          sgd_bf16, lambda w, grad, buf, hyper, flags, new, seed, step, tensor, first: None)
 
 
 def sgd_master(x, grad, buf, w, hyper, flags, new) -> None:
-    """O5's SGD step of float32 master ``x`` and its bf16 model weight ``w`` (`fused_sgd.step_master_`)."""
-    fused_sgd.step_master_(x, grad, buf, _sgd(hyper, flags), new, w, native.library())
+    """O5's SGD step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]``
+    (`fused_sgd.step_master_`; ``buf`` and ``w`` empty: none)."""
+    lib, h = native.library(), _sgd(hyper, flags)
+    for i in range(len(x)):
+        fused_sgd.step_master_(x[i], grad[i], buf[i] if buf else None, h, new[i], w[i] if w else None, lib)
 
 
-_declare("sgd_master(Tensor(a!) x, Tensor grad, Tensor(b!)? buf, Tensor(c!)? w, float[] hyper, bool[] flags, "
-         "bool new) -> ()",
+_declare("sgd_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] buf, Tensor(c!)[] w, float[] hyper, bool[] flags, "
+         "bool[] new) -> ()",
          sgd_master, lambda x, grad, buf, w, hyper, flags, new: None)
 
 
@@ -158,16 +164,28 @@ _declare("sgd_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!)? buf
 
 
 def sgd_8bit(w, grad, bq, bs, backup, hyper, flags, new, seed, step, tensor, first) -> torch.Tensor:
-    """O8's SGD step (`fused_sgd_8bit.step_`) with the buffer as codes ``bq`` and scales ``bs``;
-    returns whether it wrote (a bool tensor: False on a non-finite new weight)."""
-    wrote = fused_sgd_8bit.step_(w, grad, bq, bs, _sgd(hyper, flags), new, seed, step, tensor, first, native.library(),
-                                 tuple(backup))
-    return torch.tensor(wrote)
+    """O8's SGD step (`fused_sgd_8bit.step_`) of each ``w[i]`` in turn, the buffer as codes
+    ``bq[i]`` and scales ``bs[i]`` (``backup``: three buffers each), stopping at the first whose
+    new weight would not be finite (as `adamw_8bit`); returns how many wrote (an int64 tensor)."""
+    lib, h = native.library(), _sgd(hyper, flags)
+    for i in range(len(w)):
+        if not fused_sgd_8bit.step_(w[i], grad[i], bq[i], bs[i], h, new[i], seed, step, tensor[i], first[i], lib,
+                                    tuple(backup[3 * i:3 * i + 3])):
+            return torch.tensor(i)
+    return torch.tensor(len(w))
 
 
-_declare("sgd_8bit(Tensor(a!) w, Tensor grad, Tensor(b!) bq, Tensor(c!) bs, Tensor(d!)[] backup, float[] hyper, "
-         "bool[] flags, bool new, int seed, int step, int tensor, int first) -> Tensor",
-         sgd_8bit, lambda *args: torch.empty((), dtype=torch.bool))
+_declare("sgd_8bit(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] bq, Tensor(c!)[] bs, Tensor(d!)[] backup, "
+         "float[] hyper, bool[] flags, bool[] new, int seed, int step, int[] tensor, int[] first) -> Tensor",
+         sgd_8bit, lambda *args: torch.empty((), dtype=torch.int64))
+
+
+def _all_or_none(name: str, tensors: list) -> list:
+    """``tensors`` as an op's optional list argument: all of them, or ``[]`` where all are None."""
+    given = [t for t in tensors if t is not None]
+    if given and len(given) != len(tensors):
+        raise ValueError(f"ops: {name} for every tensor of a group or for none, got {len(given)} of {len(tensors)}.")
+    return given
 
 
 def adamw_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> None:
@@ -186,12 +204,9 @@ def adamw_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> None:
 def master_steps_(steps: list, hyper: Hyper) -> None:
     """`fused_masters.step_master_` of each ``(x, grad, m, v, count, w)`` of ``steps`` (CPU tensors
     of one group, at step ``count`` as `adamw_steps_`'s; ``w`` None for all or none), as the op."""
-    x, grad, m, v, count, w = (list(column) for column in zip(*steps)) if steps else [[]] * 6
-    weights = [t for t in w if t is not None]
-    if weights and len(weights) != len(x):
-        raise ValueError("ops.master_steps_: a bf16 weight for every master or for none, got "
-                         f"{len(weights)} for {len(x)}.")
-    torch.ops.ampkit.adamw_master(x, grad, m, v, weights, count, *_values(hyper))
+    if steps:
+        x, grad, m, v, count, w = (list(column) for column in zip(*steps))
+        torch.ops.ampkit.adamw_master(x, grad, m, v, _all_or_none("w", w), count, *_values(hyper))
 
 
 def remainder_steps_(steps: list, hyper: Hyper) -> None:
@@ -206,23 +221,32 @@ def adamw_8bit_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> int:
     """`fused_adamw_8bit.step_` of each ``(w, grad, mq, ms, vq, vs, count, cap, tensor, first,
     backup)`` of ``steps`` (CPU tensors; ``count``: the step count, as `adamw_step_`'s) in turn,
     as the op: how many wrote before the first that would write a non-finite weight."""
-    lists = [list(column) for column in zip(*steps)] if steps else [[]] * 11
-    w, grad, mq, ms, vq, vs, count, cap, tensor, first, backup = lists
+    if not steps:
+        return 0
+    w, grad, mq, ms, vq, vs, count, cap, tensor, first, backup = (list(column) for column in zip(*steps))
     return int(torch.ops.ampkit.adamw_8bit(w, grad, mq, ms, vq, vs, [t for b in backup for t in b], count,
                                            *_values(hyper), cap, seed, step, tensor, first))
 
 
-def sgd_step_(w, grad, buf, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, index: Index) -> None:
-    """`fused_sgd.step_` of CPU tensors: the declared op where ``index`` is an int (the C kernel's
-    case), else the eager reference."""
-    if not isinstance(index, int):
-        return fused_sgd.step_(w, grad, buf, hyper, new, seed, step, tensor, index)
-    torch.ops.ampkit.sgd_bf16(w, grad, buf, *_sgd_values(hyper), new, seed, step, tensor, index)
+def sgd_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> None:
+    """`fused_sgd.step_` of each ``(w, grad, buf, new, tensor, index)`` of ``steps`` (CPU tensors
+    of one group; ``buf`` None for all or none): the declared op, once, for those whose ``index``
+    is an int (the C kernel's case), the eager reference for the others."""
+    runs = [s for s in steps if isinstance(s[5], int)]
+    for w, grad, buf, new, tensor, index in (s for s in steps if not isinstance(s[5], int)):
+        fused_sgd.step_(w, grad, buf, hyper, new, seed, step, tensor, index)
+    if runs:
+        w, grad, buf, new, tensor, first = (list(column) for column in zip(*runs))
+        torch.ops.ampkit.sgd_bf16(w, grad, _all_or_none("buf", buf), *_sgd_values(hyper), new, seed, step, tensor,
+                                  first)
 
 
-def sgd_master_step_(x, grad, buf, hyper: fused_sgd.Hyper, new: bool, w: Optional[torch.Tensor] = None) -> None:
-    """`fused_sgd.step_master_` of CPU tensors, as the op."""
-    torch.ops.ampkit.sgd_master(x, grad, buf, w, *_sgd_values(hyper), new)
+def sgd_master_steps_(steps: list, hyper: fused_sgd.Hyper) -> None:
+    """`fused_sgd.step_master_` of each ``(x, grad, buf, new, w)`` of ``steps`` (CPU tensors of one
+    group; ``buf``, ``w`` None for all or none), as the op."""
+    if steps:
+        x, grad, buf, new, w = (list(column) for column in zip(*steps))
+        torch.ops.ampkit.sgd_master(x, grad, _all_or_none("buf", buf), _all_or_none("w", w), *_sgd_values(hyper), new)
 
 
 def sgd_remainder_step_(w, r, grad, buf, hyper: fused_sgd.Hyper, new: bool) -> None:
@@ -230,8 +254,12 @@ def sgd_remainder_step_(w, r, grad, buf, hyper: fused_sgd.Hyper, new: bool) -> N
     set_side_table(r, torch.ops.ampkit.sgd_remainder(w, r, grad, buf, _table_arg(r), *_sgd_values(hyper), new))
 
 
-def sgd_8bit_step_(w, grad, bq, bs, hyper: fused_sgd.Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
-                   backup: tuple) -> bool:
-    """`fused_sgd_8bit.step_` of CPU tensors, as the op."""
-    return bool(torch.ops.ampkit.sgd_8bit(w, grad, bq, bs, list(backup), *_sgd_values(hyper), new, seed, step, tensor,
-                                          first))
+def sgd_8bit_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> int:
+    """`fused_sgd_8bit.step_` of each ``(w, grad, bq, bs, new, tensor, first, backup)`` of ``steps``
+    (CPU tensors of one group) in turn, as the op: how many wrote before the first that would
+    write a non-finite weight."""
+    if not steps:
+        return 0
+    w, grad, bq, bs, new, tensor, first, backup = (list(column) for column in zip(*steps))
+    return int(torch.ops.ampkit.sgd_8bit(w, grad, bq, bs, [t for b in backup for t in b], *_sgd_values(hyper), new,
+                                         seed, step, tensor, first))

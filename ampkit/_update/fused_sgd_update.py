@@ -20,7 +20,7 @@ import torch
 
 from .._kernels import compiled_sgd, compiled_update, ops
 from .._kernels.fused_sgd import Hyper
-from .fused_update import enabled, master_pair
+from .fused_update import by_group, enabled, master_pair
 from .shards import global_index, like, local
 
 STATE_KEY = "momentum_buffer"
@@ -85,19 +85,24 @@ def _buffer(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:
 
 
 def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> None:
-    """One SGD step of each ``(group, p)`` of ``params`` (all `eligible`)."""
+    """One SGD step of each ``(group, p)`` of ``params`` (all `eligible`): on CPU the declared op
+    once per group, elsewhere the compiled kernel per tensor."""
     dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
-    compiles, hypers = {}, group_hypers(params)  # per device, per group
+    compiles, hypers, cpu = {}, group_hypers(params), []  # per device, per group; the CPU tensors' steps
     for group, p in params:
-        h = hypers[id(group)]
         buf, new = _buffer(optimizer, group, p, dtype)
-        w = local(p)
+        w, buf = local(p), None if buf is None else local(buf)
         if w.device not in compiles:
             compiles[w.device] = compiled_update.available(w.device)
-        kernel = compiled_sgd.step_ if compiles[w.device] else ops.sgd_step_
+        if not compiles[w.device]:
+            cpu.append((group, w, local(grads[p]), buf, new, ids[p], global_index(p)))
+            continue
         with torch.no_grad():
-            kernel(w, local(grads[p]), None if buf is None else local(buf), h, new, rounder.seed, rounder.step, ids[p],
-                   global_index(p))
+            compiled_sgd.step_(w, local(grads[p]), buf, hypers[id(group)], new, rounder.seed, rounder.step, ids[p],
+                               global_index(p))
+    with torch.no_grad():
+        for group, run in by_group(cpu):
+            ops.sgd_steps_(run, hypers[id(group)], rounder.seed, rounder.step)
 
 
 def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
@@ -119,13 +124,15 @@ def masters_to_step(optimizer, owner: dict) -> list:
 
 
 def step_masters(optimizer, items) -> None:
-    """One SGD step of each O5 master of ``items`` (from `masters_to_step`), writing its bf16 model parameter too."""
-    hypers = group_hypers(items)
+    """One SGD step of each O5 master of ``items`` (from `masters_to_step`), writing its bf16 model
+    parameter too: the declared op once per group."""
+    steps = []
     for group, m, p in items:
-        h = hypers[id(group)]
         buf, new = _buffer(optimizer, group, m, torch.float32)
-        with torch.no_grad():
-            ops.sgd_master_step_(local(m), local(m.grad), None if buf is None else local(buf), h, new, local(p))
+        steps.append((group, local(m), local(m.grad), None if buf is None else local(buf), new, local(p)))
+    with torch.no_grad():
+        for group, run in by_group(steps):
+            ops.sgd_master_steps_(run, hyper(group))
 
 
 def step_remainders(optimizer, params, grads: dict, remainders) -> None:

@@ -42,17 +42,17 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
 
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:
     """One SGD step of each ``(group, p)`` of ``chunk`` (all `eligible`); ``skip``, the result
-    and ``scratch`` as `fused_update_8bit.run_chunk`'s."""
+    and ``scratch`` as `fused_update_8bit.run_chunk`'s: the declared op once per run of one group."""
     hypers = group_hypers(chunk)
 
-    def step_one(group, p, q, new, backup) -> bool:
-        state, h = optimizer.state[p], hypers[id(group)]
+    def step_group(group, run) -> int:
+        steps = [(q, local(grads[p]), local(optimizer.state[p][CODES]), optimizer.state[p][SCALES], new, ids[p],
+                  global_index(p), backup) for _, p, q, new, backup in run]
         with torch.no_grad():
-            return ops.sgd_8bit_step_(q, local(grads[p]), local(state[CODES]), state[SCALES], h, new, rounder.seed,
-                                      rounder.step, ids[p], global_index(p), backup)
+            return ops.sgd_8bit_steps_(steps, hypers[id(group)], rounder.seed, rounder.step)
     return fused_update_8bit.run_chunk(chunk, scratch, skip, functools.partial(_start, optimizer),
-                                       fused_update_8bit.one_by_one(step_one), functools.partial(_undo, optimizer),
-                                       backups)
+                                       functools.partial(fused_update_8bit.by_group_until_bad, step_group=step_group),
+                                       functools.partial(_undo, optimizer), backups)
 
 
 def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:

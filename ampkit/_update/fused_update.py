@@ -161,7 +161,7 @@ def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> Non
                                   hyper(optimizer, group, state["step"].item()), rounder.seed, rounder.step, ids[p],
                                   global_index(p))
     with torch.no_grad():  # the declared op reads the step count itself: a compiled step has no .item() here
-        for group, run in _by_group(cpu):
+        for group, run in by_group(cpu):
             ops.adamw_steps_([(local(p), local(grads[p]), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"],
                                ids[p], global_index(p)) for p, st in run], hyper(optimizer, group, 0.0),
                              rounder.seed, rounder.step)
@@ -175,7 +175,7 @@ def _advanced(optimizer, params: list, dtype) -> list:
     return states
 
 
-def _by_group(items) -> list:
+def by_group(items) -> list:
     """``(group, [rest of each item])`` of ``(group, *rest)`` items, groups in their first item's order."""
     runs = {}
     for group, *rest in items:
@@ -208,7 +208,7 @@ def step_masters(optimizer, items) -> None:
     writing its bf16 model parameter too."""
     states = _advanced(optimizer, [m for _, m, _ in items], torch.float32)
     with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
-        for group, run in _by_group((g, m, p, st) for (g, m, p), st in zip(items, states)):
+        for group, run in by_group((g, m, p, st) for (g, m, p), st in zip(items, states)):
             ops.master_steps_([(local(m), local(m.grad), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"],
                                 local(p)) for m, p, st in run], hyper(optimizer, group, 0.0))
 
@@ -218,7 +218,7 @@ def step_remainders(optimizer, params, grads: dict, remainders) -> None:
     float32 state), whose master is ``p`` with ``remainders[i]``."""
     states = _advanced(optimizer, [p for _, p in params], torch.float32)
     with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
-        for group, run in _by_group((g, p, r, st) for (g, p), r, st in zip(params, remainders, states)):
+        for group, run in by_group((g, p, r, st) for (g, p), r, st in zip(params, remainders, states)):
             ops.remainder_steps_([(local(p), r, local(grads[p]), local(st["exp_avg"]), local(st["exp_avg_sq"]),
                                    st["step"]) for p, r, st in run], hyper(optimizer, group, 0.0))
 

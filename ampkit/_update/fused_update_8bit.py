@@ -56,7 +56,7 @@ def run_chunk(chunk: list, scratch: dict, skip: Callable, start: Callable, step_
     (``backups_of``, in ``scratch``): ``start(p, q)`` says whether ``p``'s state was made now,
     ``step_all(items)`` steps the ``(group, p, q, created, backup)`` in turn and says how many
     wrote (fewer than all: the next would have written a non-finite weight, it and the rest
-    wrote nothing, the chunk is skipped), ``undo_one(p, created, backup)`` puts one back
+    wrote nothing, the chunk is skipped; `by_group_until_bad`), ``undo_one(p, created, backup)`` puts one back
     (``backup`` None: it never stepped). ``skip(bad, device)`` says whether the chunk, whose
     parameters ``bad`` got non-finite weights here (maybe none), is skipped (on any rank).
     None when it was (nothing written), else a function that undoes the step (until the next
@@ -78,14 +78,18 @@ def run_chunk(chunk: list, scratch: dict, skip: Callable, start: Callable, step_
     return undo
 
 
-def one_by_one(step_one: Callable) -> Callable:
-    """A `run_chunk` ``step_all`` from ``step_one(group, p, q, created, backup)`` (whether it wrote)."""
-    def step_all(items) -> int:
-        for i, item in enumerate(items):
-            if not step_one(*item):
-                return i
-        return len(items)
-    return step_all
+def by_group_until_bad(items, step_group: Callable) -> int:
+    """`run_chunk`'s ``step_all`` over runs of ``items`` (``(group, ...)``) of one group:
+    ``step_group(group, run)`` says how many of ``run`` wrote; the runs stop at the first that
+    did not write all. How many wrote."""
+    wrote = 0
+    for _, run in itertools.groupby(items, key=lambda item: id(item[0])):
+        run = list(run)
+        done = step_group(run[0][0], run)
+        wrote += done
+        if done < len(run):
+            break
+    return wrote
 
 
 def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
@@ -103,24 +107,21 @@ def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
 def _step_all(optimizer, grads: dict, rounder, ids: dict, bound, items) -> int:
     """`run_chunk`'s ``step_all``: each parameter's step count advanced (one foreach call), then
     the declared op once per run of parameters of one group; how many wrote."""
-    states = [optimizer.state[p] for _, p, *_ in items]
-    torch._foreach_add_([st["step"] for st in states], 1)
-    wrote, hypers = 0, {}
-    for group, run in itertools.groupby(zip(items, states), key=lambda item: id(item[0][0])):
-        run = list(run)
-        group = run[0][0][0]
+    states = {p: optimizer.state[p] for _, p, *_ in items}
+    torch._foreach_add_([st["step"] for st in states.values()], 1)
+
+    def step_group(group, run) -> int:
         steps = []
-        for (_, p, q, _, backup), state in run:
+        for _, p, q, _, backup in run:
+            state = states[p]
             cap = bound(group, state["step"].item())
-            steps.append((q, local(grads[p]), local(state["exp_avg" + state_8bit.CODES]), state["exp_avg" + state_8bit.SCALES],
-                          local(state["exp_avg_sq" + state_8bit.CODES]), state["exp_avg_sq" + state_8bit.SCALES],
-                          state["step"], cap if math.isfinite(cap) else math.nan, ids[p], global_index(p), backup))
+            steps.append((q, local(grads[p]), local(state["exp_avg" + state_8bit.CODES]),
+                          state["exp_avg" + state_8bit.SCALES], local(state["exp_avg_sq" + state_8bit.CODES]),
+                          state["exp_avg_sq" + state_8bit.SCALES], state["step"], cap if math.isfinite(cap) else math.nan,
+                          ids[p], global_index(p), backup))
         with torch.no_grad():  # the declared op reads the step counts itself, as fused_update.step's
-            done = ops.adamw_8bit_steps_(steps, fused_update.hyper(optimizer, group, 0.0), rounder.seed, rounder.step)
-        wrote += done
-        if done < len(steps):
-            break
-    return wrote
+            return ops.adamw_8bit_steps_(steps, fused_update.hyper(optimizer, group, 0.0), rounder.seed, rounder.step)
+    return by_group_until_bad(items, step_group)
 
 
 def _undo(optimizer, p: torch.Tensor, created: bool, backup: Optional[tuple]) -> None:

@@ -135,13 +135,16 @@ def test_the_declared_ops_give_the_kernels_bits(kind, state):
     for step, new in enumerate((True, False)):
         run(kind, ref, hyper, new, native.library(), step)
         if kind == "master":
-            ops.sgd_master_step_(*got[:3], hyper, new, got[3])
+            ops.sgd_master_steps_([(*got[:3], new, got[3])], hyper)
         else:
-            ops.sgd_step_(*got, hyper, new, 1234, step, 5, 17)
+            ops.sgd_steps_([(*got, new, 5, 17)], hyper, 1234, step)
         assert same(ref, got)
     none = [t.clone() for t in ref[:2]]  # momentum 0: no buffer
-    (ops.sgd_master_step_ if kind == "master" else
-     lambda *a: ops.sgd_step_(*a[:5], 1234, 0, 5, 17))(*none, None, Hyper(0.05, 0.0, 0.0, 0.0, False, False), False)
+    momentum0 = Hyper(0.05, 0.0, 0.0, 0.0, False, False)
+    if kind == "master":
+        ops.sgd_master_steps_([(*none, None, False, None)], momentum0)
+    else:
+        ops.sgd_steps_([(*none, None, False, 5, 17)], momentum0, 1234, 0)
     assert not torch.equal(none[0], ref[0])
 
 
@@ -154,9 +157,9 @@ def test_the_declared_ops_compile_into_one_graph_with_the_eager_bits(lib, kind, 
 
     def step(w, grad, buf, extra, rstep):
         if kind == "master":
-            ops.sgd_master_step_(w, grad, buf, hyper, rstep == 0, extra)
+            ops.sgd_master_steps_([(w, grad, buf, rstep == 0, extra)], hyper)
         else:
-            ops.sgd_step_(w, grad, buf, hyper, rstep == 0, 1234, rstep, 5, 17)
+            ops.sgd_steps_([(w, grad, buf, rstep == 0, 5, 17)], hyper, 1234, rstep)
 
     base = tensors(1023, hyper, state) + [torch.empty(1023, dtype=torch.bfloat16)]
     runs = [base, clone(base)]

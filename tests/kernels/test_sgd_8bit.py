@@ -107,7 +107,7 @@ def test_shapes_are_checked():
 
 
 def test_the_declared_op_gives_the_kernels_bits(lib):
-    """``ampkit::sgd_8bit`` (first and later steps) writes what `step_` writes and says whether it wrote."""
+    """``ampkit::sgd_8bit`` (first and later steps) writes what `step_` writes and says how many wrote."""
     from ampkit._kernels import ops
     from ampkit._kernels.fused_sgd_8bit import backups
 
@@ -116,7 +116,7 @@ def test_the_declared_op_gives_the_kernels_bits(lib):
     got = [t.clone() for t in ref]
     for new in (True, False):
         assert step_(*ref, HYPERS[1], new, 7, 3, 2, first, lib=lib)
-        assert ops.sgd_8bit_step_(*got, HYPERS[1], new, 7, 3, 2, first, backups([(n, span(n, first))], {})[0])
+        assert ops.sgd_8bit_steps_([(*got, new, 2, first, backups([(n, span(n, first))], {})[0])], HYPERS[1], 7, 3) == 1
     assert same(ref, got)
     got[2][5] = NAN_INT8
-    assert not ops.sgd_8bit_step_(*got, HYPERS[1], False, 7, 4, 2, first, backups([(n, span(n, first))], {})[0])
+    assert ops.sgd_8bit_steps_([(*got, False, 2, first, backups([(n, span(n, first))], {})[0])], HYPERS[1], 7, 4) == 0
