@@ -19,7 +19,7 @@ from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
 
 KEYS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # the packed keys and their code dtypes
-NAMES = {"step"} | {k + suffix for k in KEYS for suffix in (state_8bit.CODES, state_8bit.SCALES)}  # a packed state's keys
+NAMES = {"step"} | {k + suffix for k in KEYS for suffix in (state_8bit.CODES, state_8bit.SCALES)}  # packed state
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -53,14 +53,14 @@ def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable
 def run_chunk(chunk: list, scratch: dict, skip: Callable, start: Callable, step_all: Callable,
               undo_one: Callable, backups_of: Callable = backups) -> Optional[Callable]:
     """Step the ``(group, p)`` of ``chunk`` in an O8 kernel that backs up what it overwrites
-    (``backups_of``, in ``scratch``): ``start(p, q)`` says whether ``p``'s state was made now,
+    (``backups_of``, in ``scratch``): ``start(p, q)`` says whether ``p``'s state was made now;
     ``step_all(items)`` steps the ``(group, p, q, created, backup)`` in turn and says how many
-    wrote (fewer than all: the next would have written a non-finite weight, it and the rest
-    wrote nothing, the chunk is skipped; `by_group_until_bad`), ``undo_one(p, created, backup)`` puts one back
-    (``backup`` None: it never stepped). ``skip(bad, device)`` says whether the chunk, whose
-    parameters ``bad`` got non-finite weights here (maybe none), is skipped (on any rank).
-    None when it was (nothing written), else a function that undoes the step (until the next
-    call with ``scratch``)."""
+    wrote (`by_group_until_bad`; fewer than all: the next would have written a non-finite
+    weight, it and the rest wrote nothing, the chunk is skipped); ``undo_one(p, created,
+    backup)`` puts one back (``backup`` None: it never stepped). ``skip(bad, device)`` says
+    whether the chunk, whose parameters ``bad`` got non-finite weights here (maybe none), is
+    skipped (on any rank). None when it was (nothing written), else a function that undoes the
+    step (until the next call with ``scratch``)."""
     parts = [local(p) for _, p in chunk]
     saved = backups_of([(q.numel(), span(q.numel(), global_index(p))) for q, (_, p) in zip(parts, chunk)], scratch)
     started = [(p, start(p, q), backup) for (_, p), q, backup in zip(chunk, parts, saved)]
@@ -115,10 +115,9 @@ def _step_all(optimizer, grads: dict, rounder, ids: dict, bound, items) -> int:
         for _, p, q, _, backup in run:
             state = states[p]
             cap = bound(group, state["step"].item())
-            steps.append((q, local(grads[p]), local(state["exp_avg" + state_8bit.CODES]),
-                          state["exp_avg" + state_8bit.SCALES], local(state["exp_avg_sq" + state_8bit.CODES]),
-                          state["exp_avg_sq" + state_8bit.SCALES], state["step"], cap if math.isfinite(cap) else math.nan,
-                          ids[p], global_index(p), backup))
+            m, v = ((local(state[k + state_8bit.CODES]), state[k + state_8bit.SCALES]) for k in KEYS)
+            steps.append((q, local(grads[p]), *m, *v, state["step"], cap if math.isfinite(cap) else math.nan, ids[p],
+                          global_index(p), backup))
         with torch.no_grad():  # the declared op reads the step counts itself, as fused_update.step's
             return ops.adamw_8bit_steps_(steps, fused_update.hyper(optimizer, group, 0.0), rounder.seed, rounder.step)
     return by_group_until_bad(items, step_group)
