@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 
-from . import native
 from .fused_masters import _check, addresses, captured, stepped_table
 from .fused_sgd import BUFFER, NEW_BUFFER, NO_BUFFER, Hyper, step_master_eager
 from .remainder import combine, set_side_table, side_table, split_

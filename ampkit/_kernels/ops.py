@@ -4,12 +4,10 @@ where the eager reference and the C kernel sit side by side, running the kernel 
 built. Design: ``docs/design/kernels.md``.
 """
 import dataclasses
-from typing import Optional
 
 import torch
 
 from . import fused_adamw, fused_adamw_8bit, fused_masters, fused_sgd, fused_sgd_8bit, fused_sgd_remainder, native
-from .counter_bits import Index
 from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
@@ -188,13 +186,19 @@ def _all_or_none(name: str, tensors: list) -> list:
     return given
 
 
+def _kernel_runs(steps: list, at: int) -> tuple:
+    """``steps`` split by their element ``at``, the first element's index: ``(those where it is an
+    int, the C kernel's case; the others, whose every element's index is a tensor)``."""
+    return [s for s in steps if isinstance(s[at], int)], [s for s in steps if not isinstance(s[at], int)]
+
+
 def adamw_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> None:
     """`fused_adamw.step_` of each ``(w, grad, m, v, count, tensor, index)`` of ``steps`` (CPU
     tensors of one group) with ``hyper`` at step ``count`` (a tensor, read in the op:
     ``hyper.step`` is not used): the declared op, once, for those whose ``index`` is an int (the C
     kernel's case), the eager reference for the others."""
-    runs = [s for s in steps if isinstance(s[6], int)]
-    for w, grad, m, v, count, tensor, index in (s for s in steps if not isinstance(s[6], int)):
+    runs, others = _kernel_runs(steps, 6)
+    for w, grad, m, v, count, tensor, index in others:
         fused_adamw.step_(w, grad, m, v, dataclasses.replace(hyper, step=count.item()), seed, step, tensor, index)
     if runs:
         w, grad, m, v, count, tensor, first = (list(column) for column in zip(*runs))
@@ -219,7 +223,7 @@ def remainder_steps_(steps: list, hyper: Hyper) -> None:
 
 def adamw_8bit_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> int:
     """`fused_adamw_8bit.step_` of each ``(w, grad, mq, ms, vq, vs, count, cap, tensor, first,
-    backup)`` of ``steps`` (CPU tensors; ``count``: the step count, as `adamw_step_`'s) in turn,
+    backup)`` of ``steps`` (CPU tensors; ``count``: the step count, as `adamw_steps_`'s) in turn,
     as the op: how many wrote before the first that would write a non-finite weight."""
     if not steps:
         return 0
@@ -232,8 +236,8 @@ def sgd_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> Non
     """`fused_sgd.step_` of each ``(w, grad, buf, new, tensor, index)`` of ``steps`` (CPU tensors
     of one group; ``buf`` None for all or none): the declared op, once, for those whose ``index``
     is an int (the C kernel's case), the eager reference for the others."""
-    runs = [s for s in steps if isinstance(s[5], int)]
-    for w, grad, buf, new, tensor, index in (s for s in steps if not isinstance(s[5], int)):
+    runs, others = _kernel_runs(steps, 5)
+    for w, grad, buf, new, tensor, index in others:
         fused_sgd.step_(w, grad, buf, hyper, new, seed, step, tensor, index)
     if runs:
         w, grad, buf, new, tensor, first = (list(column) for column in zip(*runs))

@@ -2,7 +2,6 @@
 
 Design (the rounding, and the generator's 8 bits per element): docs/design/memory-levels.md, "Stochastic rounding".
 """
-import ctypes
 from typing import List, Optional
 
 import torch

@@ -3,7 +3,6 @@
 The decision whether gradients overflowed is made here (a per-device flag, no host sync) and
 handed to the loss scaler (``_run/scaler.py``).
 """
-import ctypes
 import sys
 
 import torch
