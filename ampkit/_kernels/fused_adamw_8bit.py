@@ -128,9 +128,7 @@ def backups(sizes, scratch: dict, codes: tuple = (torch.int8, torch.uint8)) -> l
     if scratch.get("n", -1) < n or scratch.get("blocks", -1) < blocks or scratch.get("codes") != codes:
         scratch.update(n=n, blocks=blocks, codes=codes, w=torch.empty(n, dtype=torch.bfloat16),
                        q=[torch.empty(n, dtype=d) for d in codes], s=torch.empty(c * blocks))
-    out, at, bt = [], 0, 0
-    for k, b in sizes:
-        out.append((scratch["w"][at:at + k], *(q[at:at + k] for q in scratch["q"]),
-                    *(scratch["s"][c * bt + i * b:c * bt + (i + 1) * b] for i in range(c))))
-        at, bt = at + k, bt + b
-    return out
+    counts = [k for k, _ in sizes]
+    w, q = scratch["w"][:n].split(counts), [buf[:n].split(counts) for buf in scratch["q"]]
+    s = scratch["s"][:c * blocks].split([b for _, b in sizes for _ in range(c)])  # one split each: no slice per tensor
+    return [(w[j], *(qj[j] for qj in q), *s[c * j:c * (j + 1)]) for j in range(len(sizes))]

@@ -20,6 +20,7 @@ from .shared_blocks import whole_blocks
 
 KEYS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # the packed keys and their code dtypes
 NAMES = {"step"} | {k + suffix for k in KEYS for suffix in (state_8bit.CODES, state_8bit.SCALES)}  # packed state
+_PACKED = [(k + state_8bit.CODES, k + state_8bit.SCALES, dtype) for k, dtype in KEYS.items()]
 
 
 def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -30,15 +31,19 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     (A compiled step runs O8's update eagerly: ``ChunkedUpdate.eager_under_compile``.)"""
     if not fused_update.plain(optimizer, group, p, grad) or not whole_blocks(p, BLOCK):
         return False
-    first = global_index(p)
     state = optimizer.state.get(p)
-    if not state:
-        return True
-    q = local(p)
-    return (set(state) == NAMES and torch.is_tensor(state["step"]) and state["step"].device.type == "cpu"
-            and all(local(state[k + state_8bit.CODES]).dtype == dtype and local(state[k + state_8bit.CODES]).shape == q.shape
-                    and state[k + state_8bit.SCALES].dtype == torch.float32
-                    and state[k + state_8bit.SCALES].numel() == span(q.numel(), first) for k, dtype in KEYS.items()))
+    return not state or _packed(state, local(p), span(local(p).numel(), global_index(p)))
+
+
+def _packed(state: dict, q: torch.Tensor, blocks: int) -> bool:
+    """Whether ``state`` is ``state_8bit``'s packing of Adam's for the part ``q`` of ``blocks`` scales."""
+    if state.keys() != NAMES or not torch.is_tensor(state["step"]) or state["step"].device.type != "cpu":
+        return False
+    for codes, scales, dtype in _PACKED:
+        c, s = local(state[codes]), state[scales]
+        if c.dtype != dtype or c.shape != q.shape or s.dtype != torch.float32 or s.numel() != blocks:
+            return False
+    return True
 
 
 def step(optimizer, chunk: list, grads: dict, rounder, ids: dict, skip: Callable, scratch: dict) -> Optional[Callable]:
@@ -111,10 +116,11 @@ def _step_all(optimizer, grads: dict, rounder, ids: dict, bound, items) -> int:
     torch._foreach_add_([st["step"] for st in states.values()], 1)
 
     def step_group(group, run) -> int:
-        steps = []
+        steps, caps = [], {}  # the cap of each step count in the group (most share one)
         for _, p, q, _, backup in run:
             state = states[p]
-            cap = bound(group, state["step"].item())
+            count = state["step"].item()
+            cap = caps[count] if count in caps else caps.setdefault(count, bound(group, count))
             m, v = ((local(state[k + state_8bit.CODES]), state[k + state_8bit.SCALES]) for k in KEYS)
             steps.append((q, local(grads[p]), *m, *v, state["step"], cap if math.isfinite(cap) else math.nan, ids[p],
                           global_index(p), backup))
