@@ -3,8 +3,9 @@
 Design (blocks on the full parameter, the step, the backups): docs/design/kernels.md, "O8's AdamW on 8-bit state".
 """
 import ctypes
+import itertools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -14,7 +15,7 @@ from .fused_adamw import Hyper, arithmetic
 from .ieee import sqrt
 from .rounding import round_counter_
 
-__all__ = ["BLOCK", "span", "step_", "step_flat_", "restore_", "backups"]
+__all__ = ["BLOCK", "span", "step_", "steps_", "step_flat_", "restore_", "backups"]
 
 BLOCK = 256
 
@@ -58,15 +59,35 @@ def step_native(lib, w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: in
     """`step_eager` in one pass of the C kernel (contiguous CPU tensors), threads over ranges
     cut at block boundaries; ``backup``: ``(w, m codes, v codes, m scales, v scales)`` of the
     same sizes (flat), the old values put back on a non-finite step."""
-    consts = (ctypes.c_float * 10)(*hyper.consts())
-    bad = ctypes.c_int64(0)
-    lib.adamw_8bit(*(native.ptr(t) for t in (w, grad, mq, ms, vq, vs)), w.numel(), first,
-                   counter_bits.key(seed, step, tensor, 0), consts, cap if math.isfinite(cap) else math.nan,
-                   *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
-    if bad.value == 0:
-        return True
-    restore_(w, mq, ms, vq, vs, backup)
-    return False
+    return steps_native(lib, [(w, grad, mq, ms, vq, vs, hyper, cap, tensor, first, backup)], seed, step) == 1
+
+
+def steps_native(lib, steps: list, seed: int, step: int) -> int:
+    """`step_native` of each ``(w, grad, mq, ms, vq, vs, hyper, cap, tensor, first, backup)`` of
+    ``steps`` in turn, in one call of the C kernel (``adamw_8bit_many``: one ctypes call for a
+    param group, not one a tensor), stopping at the first whose new weight would not be finite
+    (its old values put back, those after it untouched): how many wrote."""
+    rows, consts = [], []
+    for w, grad, mq, ms, vq, vs, hyper, cap, tensor, first, backup in steps:
+        n = w.numel()
+        rows += [t.data_ptr() for t in (w, grad, mq, ms, vq, vs, *backup)]
+        rows += [n, first, counter_bits.key(seed, step, tensor, 0), native.threads(n)]
+        consts += hyper.consts()
+        consts.append(cap if math.isfinite(cap) else math.nan)
+    wrote = lib.adamw_8bit_many(len(steps), (ctypes.c_uint64 * len(rows))(*rows),
+                                (ctypes.c_float * len(consts))(*consts))
+    if wrote < len(steps):
+        w, _, mq, ms, vq, vs, *_, backup = steps[wrote]
+        restore_(w, mq, ms, vq, vs, backup)
+    return wrote
+
+
+def _check_sizes(w, mq, ms, vq, vs, first: int) -> None:
+    n = w.numel()
+    if ms.numel() != span(n, first) or vs.numel() != span(n, first) or mq.shape != w.shape or vq.shape != w.shape:
+        raise ValueError(f"fused_adamw_8bit.step_: codes of w's shape {tuple(w.shape)} and {span(n, first)} scales "
+                         f"each expected (first={first}), got {tuple(mq.shape)}, {tuple(vq.shape)}, "
+                         f"{ms.numel()} and {vs.numel()}.")
 
 
 def step_(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: int, tensor: int, first: int,
@@ -78,13 +99,40 @@ def step_(w, grad, mq, ms, vq, vs, hyper: Hyper, cap: float, seed: int, step: in
     having written nothing, when a new weight would not be finite. The old values go to
     ``backup`` (`backups`; fresh buffers when None), for `restore_`.
     Non-contiguous tensors are stepped through contiguous copies."""
-    n = w.numel()
-    if ms.numel() != span(n, first) or vs.numel() != span(n, first) or mq.shape != w.shape or vq.shape != w.shape:
-        raise ValueError(f"fused_adamw_8bit.step_: codes of w's shape {tuple(w.shape)} and {span(n, first)} scales "
-                         f"each expected (first={first}), got {tuple(mq.shape)}, {tuple(vq.shape)}, "
-                         f"{ms.numel()} and {vs.numel()}.")
+    _check_sizes(w, mq, ms, vq, vs, first)
     return step_flat_([w, grad, mq, ms, vq, vs], (0, 2, 4, 3, 5), backup, backups, lib, step_native, step_eager,
                       hyper, cap, seed, step, tensor, first=first)
+
+
+def steps_(steps: list, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> int:
+    """`step_` of each ``(w, grad, mq, ms, vq, vs, hyper, cap, tensor, first, backup)`` of ``steps``
+    in turn, stopping at the first whose new weight would not be finite (it wrote nothing): how
+    many wrote. Each run of contiguous CPU tensors goes to the kernel in one call."""
+    for w, _, mq, ms, vq, vs, *_, first, _ in steps:
+        _check_sizes(w, mq, ms, vq, vs, first)
+    return in_runs(steps, lib, 6, lambda run: steps_native(lib, run, seed, step),
+                   lambda w, grad, mq, ms, vq, vs, hyper, cap, tensor, first, backup: step_(
+                       w, grad, mq, ms, vq, vs, hyper, cap, seed, step, tensor, first, lib, backup))
+
+
+def in_runs(steps: list, lib: Optional[ctypes.CDLL], tensors: int, many: Callable, one: Callable) -> int:
+    """O8's steps of ``steps`` in turn, stopping at the first whose new weight would not be
+    finite: each run of items whose first ``tensors`` tensors the kernel ``lib`` reads where they
+    are (`_direct`) in one call (``many(run)``: how many wrote), the others one at a time
+    (``one(*item)``: whether it wrote). How many wrote."""
+    done = 0
+    for direct, run in itertools.groupby(steps, key=lambda s: lib is not None and _direct(s[:tensors])):
+        run = list(run)
+        wrote = many(run) if direct else next((i for i, s in enumerate(run) if not one(*s)), len(run))
+        done += wrote
+        if wrote < len(run):
+            break
+    return done
+
+
+def _direct(tensors) -> bool:
+    """Whether the kernel reads ``tensors`` where they are: CPU and contiguous."""
+    return tensors[0].device.type == "cpu" and all(t.is_contiguous() for t in tensors)
 
 
 def step_flat_(tensors: list, backed: tuple, backup: Optional[tuple], backups_of, lib: Optional[ctypes.CDLL],

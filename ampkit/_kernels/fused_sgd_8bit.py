@@ -9,11 +9,11 @@ import torch
 
 from . import counter_bits, fused_adamw_8bit, native
 from .blockquant import counter_draws, dequantize, quantize_
-from .fused_adamw_8bit import BLOCK, span, step_flat_
+from .fused_adamw_8bit import BLOCK, in_runs, span, step_flat_
 from .fused_sgd import BUFFER, NEW_BUFFER, Hyper, arithmetic
 from .rounding import round_counter_
 
-__all__ = ["step_", "restore_", "backups"]
+__all__ = ["step_", "steps_", "restore_", "backups"]
 
 
 def step_eager(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int) -> bool:
@@ -41,15 +41,33 @@ def step_native(lib, w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: 
     """`step_eager` in one pass of the C kernel (contiguous CPU tensors), threads over ranges
     cut at block boundaries; ``backup``: ``(w, codes, scales)`` of the same sizes (flat), the
     old values put back on a non-finite step."""
-    bad = ctypes.c_int64(0)
-    lib.sgd_8bit(*(native.ptr(t) for t in (w, grad, bq, bs)), w.numel(), first,
-                 counter_bits.key(seed, step, tensor, 0), NEW_BUFFER if new else BUFFER,
-                 hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()),
-                 *(native.ptr(t) for t in backup), ctypes.byref(bad), native.threads(w.numel()))
-    if bad.value == 0:
-        return True
-    restore_(w, bq, bs, backup)
-    return False
+    return steps_native(lib, [(w, grad, bq, bs, new, tensor, first, backup)], hyper, seed, step) == 1
+
+
+def steps_native(lib, steps: list, hyper: Hyper, seed: int, step: int) -> int:
+    """`step_native` of each ``(w, grad, bq, bs, new, tensor, first, backup)`` of ``steps`` (one
+    param group's ``hyper``) in turn, in one call of the C kernel (``sgd_8bit_many``), stopping
+    at the first whose new weight would not be finite (its old values put back, those after it
+    untouched): how many wrote."""
+    rows = []
+    for w, grad, bq, bs, new, tensor, first, backup in steps:
+        n = w.numel()
+        rows += [t.data_ptr() for t in (w, grad, bq, bs, *backup)]
+        rows += [n, first, counter_bits.key(seed, step, tensor, 0), NEW_BUFFER if new else BUFFER, native.threads(n)]
+    wrote = lib.sgd_8bit_many(len(steps), (ctypes.c_uint64 * len(rows))(*rows), hyper.flags(),
+                              (ctypes.c_float * 4)(*hyper.consts()))
+    if wrote < len(steps):
+        w, _, bq, bs, *_, backup = steps[wrote]
+        restore_(w, bq, bs, backup)
+    return wrote
+
+
+def _check_sizes(w, grad, bq, bs, first: int) -> None:
+    n = w.numel()
+    if bs.numel() != span(n, first) or bq.shape != w.shape or grad.shape != w.shape:
+        raise ValueError(f"fused_sgd_8bit.step_: grad and codes of w's shape {tuple(w.shape)} and {span(n, first)} "
+                         f"scales expected (first={first}), got {tuple(grad.shape)}, {tuple(bq.shape)} and "
+                         f"{bs.numel()}.")
 
 
 def step_(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int,
@@ -60,13 +78,20 @@ def step_(w, grad, bq, bs, hyper: Hyper, new: bool, seed: int, step: int, tensor
     having written nothing, when a new weight would not be finite. The old values go to
     ``backup`` (`backups`; fresh buffers when None), for `restore_`. Non-contiguous tensors are
     stepped through contiguous copies."""
-    n = w.numel()
-    if bs.numel() != span(n, first) or bq.shape != w.shape or grad.shape != w.shape:
-        raise ValueError(f"fused_sgd_8bit.step_: grad and codes of w's shape {tuple(w.shape)} and {span(n, first)} "
-                         f"scales expected (first={first}), got {tuple(grad.shape)}, {tuple(bq.shape)} and "
-                         f"{bs.numel()}.")
+    _check_sizes(w, grad, bq, bs, first)
     return step_flat_([w, grad, bq, bs], (0, 2, 3), backup, backups, lib, step_native, step_eager,
                       hyper, new, seed, step, tensor, first=first)
+
+
+def steps_(steps: list, hyper: Hyper, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> int:
+    """`step_` of each ``(w, grad, bq, bs, new, tensor, first, backup)`` of ``steps`` (one param
+    group's ``hyper``) in turn, stopping at the first whose new weight would not be finite (it
+    wrote nothing): how many wrote. Each run of contiguous CPU tensors goes to the kernel in one call."""
+    for w, grad, bq, bs, _, _, first, _ in steps:
+        _check_sizes(w, grad, bq, bs, first)
+    return in_runs(steps, lib, 4, lambda run: steps_native(lib, run, hyper, seed, step),
+                   lambda w, grad, bq, bs, new, tensor, first, backup: step_(
+                       w, grad, bq, bs, hyper, new, seed, step, tensor, first, lib, backup))
 
 
 def restore_(w, bq, bs, backup: tuple) -> None:

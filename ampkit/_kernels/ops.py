@@ -94,17 +94,14 @@ _declare("adamw_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!) m,
 
 
 def adamw_8bit(w, grad, mq, ms, vq, vs, backup, count, hyper, flags, cap, seed, step, tensor, first) -> torch.Tensor:
-    """O8's step (`fused_adamw_8bit.step_`) of each tensor ``w[i]`` in turn (its gradient, codes,
+    """O8's step (`fused_adamw_8bit.steps_`) of each tensor ``w[i]`` in turn (its gradient, codes,
     scales, step count ``count[i]``, ``cap[i]``, ``tensor[i]``, ``first[i]``; ``backup`` five
     buffers each), stopping at the first whose new weight would not be finite (it wrote nothing,
     its old values are in its backup); returns how many wrote (an int64 tensor). One call steps
     the tensors of a chunk: the dispatcher's cost once, not per tensor."""
-    lib = native.library()
-    for i in range(len(w)):
-        if not fused_adamw_8bit.step_(w[i], grad[i], mq[i], ms[i], vq[i], vs[i], _hyper(hyper, flags, count[i]),
-                                      cap[i], seed, step, tensor[i], first[i], lib, tuple(backup[5 * i:5 * i + 5])):
-            return torch.tensor(i)
-    return torch.tensor(len(w))
+    items = [(w[i], grad[i], mq[i], ms[i], vq[i], vs[i], _hyper(hyper, flags, count[i]), cap[i], tensor[i], first[i],
+              tuple(backup[5 * i:5 * i + 5])) for i in range(len(w))]
+    return torch.tensor(fused_adamw_8bit.steps_(items, seed, step, native.library()))
 
 
 _declare("adamw_8bit(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] mq, Tensor(c!)[] ms, Tensor(d!)[] vq, "
@@ -162,15 +159,12 @@ _declare("sgd_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!)? buf
 
 
 def sgd_8bit(w, grad, bq, bs, backup, hyper, flags, new, seed, step, tensor, first) -> torch.Tensor:
-    """O8's SGD step (`fused_sgd_8bit.step_`) of each ``w[i]`` in turn, the buffer as codes
+    """O8's SGD step (`fused_sgd_8bit.steps_`) of each ``w[i]`` in turn, the buffer as codes
     ``bq[i]`` and scales ``bs[i]`` (``backup``: three buffers each), stopping at the first whose
     new weight would not be finite (as `adamw_8bit`); returns how many wrote (an int64 tensor)."""
-    lib, h = native.library(), _sgd(hyper, flags)
-    for i in range(len(w)):
-        if not fused_sgd_8bit.step_(w[i], grad[i], bq[i], bs[i], h, new[i], seed, step, tensor[i], first[i], lib,
-                                    tuple(backup[3 * i:3 * i + 3])):
-            return torch.tensor(i)
-    return torch.tensor(len(w))
+    items = [(w[i], grad[i], bq[i], bs[i], new[i], tensor[i], first[i], tuple(backup[3 * i:3 * i + 3]))
+             for i in range(len(w))]
+    return torch.tensor(fused_sgd_8bit.steps_(items, _sgd(hyper, flags), seed, step, native.library()))
 
 
 _declare("sgd_8bit(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] bq, Tensor(c!)[] bs, Tensor(d!)[] backup, "

@@ -1,6 +1,8 @@
 """What the tests of O8's kernels share: bit equality, and the runs that must give the same bits."""
 import torch
 
+from ampkit._kernels import native
+
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous().view(-1)
@@ -52,3 +54,38 @@ def assert_pieces_step_as_the_whole(whole: list, step, scales: tuple, block: int
     for a, b in [(0, block), (block, 3 * block), (3 * block, n)]:
         step([t[a // block:-(-b // block)] if i in scales else t[a:b] for i, t in enumerate(pieces)], a)
     assert same(whole, pieces)
+
+
+
+SIZES = [(1001, 100), (0, 0), (300, 255), (7, 3), (2 * native.MIN_PER_THREAD + 3, 513)]  # (n, first) of one call
+STRIDED = 3  # the tensor whose weight is strided: the call's runs are the tensors before it, it, and those after
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """Flat ``t``'s values in a non-contiguous tensor."""
+    return torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t)
+
+
+def assert_steps_stop_at_the_first_bad(make, steps, one, spoil, lib, bad) -> None:
+    """``steps(items, lib)`` (the tensors of `SIZES` from ``make(n, first, seed)`` in one call, as
+    ``(tensors, first)``, tensor ``i`` the i-th; weight `STRIDED` strided) writes what ``one(tensors,
+    first, i)`` (the eager reference) writes for each tensor before ``bad`` (None: all), says how many, and stops there:
+    the tensor ``bad`` (``spoil(tensors)`` makes its new weight non-finite) and those after it keep
+    their bits. On two threads, so that the large tensor's ranges run in parallel."""
+    made = [make(n, first, seed) for seed, (n, first) in enumerate(SIZES)]
+    if bad is not None:
+        spoil(made[bad])
+    ref, got = [[t.clone() for t in ts] for ts in made], [[t.clone() for t in ts] for ts in made]
+    got[STRIDED][0] = strided(got[STRIDED][0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        wrote = steps([(ts, first) for ts, (_, first) in zip(got, SIZES)], lib)
+    finally:
+        torch.set_num_threads(threads)
+    stop = len(SIZES) if bad is None else bad
+    assert wrote == stop
+    for i, (ts, (_, first)) in enumerate(zip(ref[:stop], SIZES)):
+        assert one(ts, first, i)
+    assert all(same(r, g) for r, g in zip(ref[:stop], got[:stop]))
+    assert all(same(m, g) for m, g in zip(made[stop:], got[stop:]))

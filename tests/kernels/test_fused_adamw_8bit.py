@@ -9,9 +9,9 @@ import torch
 from ampkit._kernels import native
 from ampkit._kernels.blockquant import INF_UINT8, NAN_INT8, NAN_UINT8, dequantize, quantize_
 from ampkit._kernels.fused_adamw import Hyper
-from ampkit._kernels.fused_adamw_8bit import BLOCK, span, step_
+from ampkit._kernels.fused_adamw_8bit import BLOCK, backups, span, step_, steps_
 from tests.kernels._eight_bit import (assert_kernel_equals_reference, assert_pieces_step_as_the_whole,
-                                     assert_threads_and_strides_agree, same)
+                                     assert_steps_stop_at_the_first_bad, assert_threads_and_strides_agree, same)
 
 HYPERS = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 3.0),  # AdamW
           Hyper(3e-2, 0.8, 0.99, 1e-6, 0.1, False, True, 1.0)]  # Adam with L2 decay, maximize
@@ -117,3 +117,20 @@ def test_a_step_with_a_non_finite_weight_writes_nothing(lib, use_lib, case):
     finally:
         torch.set_num_threads(threads)
     assert same(before, t)
+
+
+@pytest.mark.parametrize("bad", [None, 0, 2, 3, 4])
+@pytest.mark.parametrize("use_lib", [False, True])
+def test_several_tensors_step_in_turn_until_the_first_non_finite_weight(lib, use_lib, bad):
+    """`steps_` (the op's several tensors: runs of contiguous ones in one kernel call, a strided one
+    alone) writes each tensor's reference bits up to the first whose new weight is not finite (a
+    NaN m code), says how many wrote, and leaves that one and the rest as they were."""
+    def steps(items, kernel):
+        return steps_([(*t, HYPERS[0], CAP, i, first, backups([(t[0].numel(), span(t[0].numel(), first))], {})[0])
+                       for i, (t, first) in enumerate(items)], 5, 2, kernel)
+
+    def spoil(t):
+        t[2][-1] = NAN_INT8
+
+    assert_steps_stop_at_the_first_bad(tensors, steps, lambda t, first, i: step_(*t, HYPERS[0], CAP, 5, 2, i, first),
+                                       spoil, lib if use_lib else None, bad)

@@ -9,13 +9,14 @@ import torch
 
 from ampkit._kernels import native
 from ampkit._kernels.native import build
-from ampkit._kernels.native.lib import CONSTS, COUNTS, DATA, SYMBOLS
+from ampkit._kernels.native.lib import CONSTS, COUNTS, DATA, ROWS, SYMBOLS
 
 # A definition at the start of a line: its result, name and parameters (static ones are the sources' own).
-DEFINITION = re.compile(r"^(?!static\b)(void|int)\s+(\w+)\(([^)]*)\)\s*\{", re.M)
+DEFINITION = re.compile(r"^(?!static\b)(void|int|int64_t)\s+(\w+)\(([^)]*)\)\s*\{", re.M)
 CTYPES = {"int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "uint32_t": ctypes.c_uint32, "int": ctypes.c_int,
           "float": ctypes.c_float}
-TYPED = {"c": CONSTS, "bad": COUNTS, "nfound": COUNTS, "done": COUNTS}  # pointers to ctypes objects; others: tensors
+# pointers to ctypes objects; others: tensors
+TYPED = {"c": CONSTS, "consts": CONSTS, "rows": ROWS, "bad": COUNTS, "nfound": COUNTS, "done": COUNTS}
 
 
 def definitions() -> dict:
@@ -42,7 +43,7 @@ def test_the_table_is_the_sources_exported_functions():
 def test_each_entry_has_its_definitions_types(name):
     result, params = definitions()[name]
     want_result, arguments = SYMBOLS[name]
-    assert want_result == {"void": None, "int": ctypes.c_int}[result]
+    assert want_result == {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64}[result]
     assert list(arguments) == [ctype(p) for p in params], params
 
 

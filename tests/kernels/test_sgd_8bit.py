@@ -9,10 +9,10 @@ from ampkit._kernels import native
 from ampkit._kernels.blockquant import NAN_INT8, dequantize, quantize_
 from ampkit._kernels.fused_adamw_8bit import BLOCK, span
 from ampkit._kernels.fused_sgd import Hyper
-from ampkit._kernels.fused_sgd_8bit import step_
+from ampkit._kernels.fused_sgd_8bit import backups, step_, steps_
 from ampkit._kernels.rounding import round_counter_
 from tests.kernels._eight_bit import (assert_kernel_equals_reference, assert_pieces_step_as_the_whole,
-                                     assert_threads_and_strides_agree, same)
+                                     assert_steps_stop_at_the_first_bad, assert_threads_and_strides_agree, same)
 
 HYPERS = [Hyper(0.1, 0.9, 0.0, 5e-4, False, False),  # the ImageNet recipe
           Hyper(3e-2, 0.8, 0.0, 1e-2, True, True)]  # Nesterov (dampening 0, as torch requires), maximize
@@ -120,3 +120,20 @@ def test_the_declared_op_gives_the_kernels_bits(lib):
     assert same(ref, got)
     got[2][5] = NAN_INT8
     assert ops.sgd_8bit_steps_([(*got, False, 2, first, backups([(n, span(n, first))], {})[0])], HYPERS[1], 7, 4) == 0
+
+
+@pytest.mark.parametrize("bad", [None, 0, 2, 3, 4])
+@pytest.mark.parametrize("use_lib", [False, True])
+def test_several_tensors_step_in_turn_until_the_first_non_finite_weight(lib, use_lib, bad):
+    """`steps_` (the op's several tensors: runs of contiguous ones in one kernel call, a strided one
+    alone) writes each tensor's reference bits up to the first whose new weight is not finite (a
+    NaN buffer code), says how many wrote, and leaves that one and the rest as they were."""
+    def steps(items, kernel):
+        return steps_([(*t, False, i, first, backups([(t[0].numel(), span(t[0].numel(), first))], {})[0])
+                       for i, (t, first) in enumerate(items)], HYPERS[0], 5, 2, kernel)
+
+    def spoil(t):
+        t[2][-1] = NAN_INT8
+
+    assert_steps_stop_at_the_first_bad(tensors, steps, lambda t, first, i: step_(*t, HYPERS[0], False, 5, 2, i, first),
+                                       spoil, lib if use_lib else None, bad)

@@ -110,10 +110,27 @@ static void adamw_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *mq, floa
 }
 
 /* Ranges cut at block boundaries, each with its own backups of the old values; *bad: the blocks with a non-finite new weight. */
-void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
-                int64_t first, uint64_t key, const float *c, float cap, uint16_t *bw, int8_t *bm,
-                uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
+static void adamw_8bit(uint16_t *w, const uint16_t *grad, int8_t *mq, float *ms, uint8_t *vq, float *vs, int64_t n,
+                       int64_t first, uint64_t key, const float *c, float cap, uint16_t *bw, int8_t *bm,
+                       uint8_t *bv, float *bms, float *bvs, int64_t *bad, int threads) {
     Q8_EACH_RANGE(n, first, bad, adamw_8bit_range(w + lo, grad + lo, mq + lo, ms + blk, vq + lo, vs + blk, hi - lo,
                                                    first + lo, key, c, cap, bw + lo, bm + lo, bv + lo, bms + blk,
                                                    bvs + blk, &count););
+}
+
+/* adamw_8bit of count tensors in turn, stopping at the first with a non-finite new weight (its old values
+   are in its backups; the tensors after it are not touched): how many had none. rows: each tensor's 15
+   words (the addresses of w, grad, mq, ms, vq, vs, bw, bm, bv, bms, bvs; n, first, key, threads); consts:
+   its 10 step constants and its cap. One call steps a param group. */
+int64_t adamw_8bit_many(int64_t count, const uint64_t *rows, const float *consts) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *r = rows + 15 * i;
+        const float *c = consts + 11 * i;
+        int64_t bad = 0;
+        adamw_8bit(AT(uint16_t, r[0]), AT(const uint16_t, r[1]), AT(int8_t, r[2]), AT(float, r[3]), AT(uint8_t, r[4]),
+                   AT(float, r[5]), (int64_t)r[11], (int64_t)r[12], r[13], c, c[10], AT(uint16_t, r[6]),
+                   AT(int8_t, r[7]), AT(uint8_t, r[8]), AT(float, r[9]), AT(float, r[10]), &bad, (int)r[14]);
+        if (bad) return i;
+    }
+    return count;
 }

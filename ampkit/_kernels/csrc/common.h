@@ -29,6 +29,8 @@ static inline uint64_t word(uint64_t key, int64_t i) { return mix64(key + (uint6
         const int64_t lo = (n) * t_ / threads, hi = (n) * (t_ + 1) / threads;                            \
         any |= EXPR;                                                                                    \
     }
+/* A tensor's address from a row of a kernel's `_many` entry (one call for a param group's tensors). */
+#define AT(T, x) ((T *)(uintptr_t)(x))
 static inline float widen(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t narrow(float f, uint64_t d16) {  /* + a uniform 16-bit integer, truncated */
     uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + (uint32_t)d16) >> 16);

@@ -95,8 +95,24 @@ static void sgd_8bit_range(uint16_t *w, const uint16_t *grad, int8_t *bq, float 
 }
 
 /* Ranges cut at block boundaries (q8_cut), each with its own backups; mode NEW_BUFFER or BUFFER. */
-void sgd_8bit(uint16_t *w, const uint16_t *grad, int8_t *bq, float *bs, int64_t n, int64_t first, uint64_t key,
-              int mode, int flags, const float *c, uint16_t *bw, int8_t *bb, float *bbs, int64_t *bad, int threads) {
+static void sgd_8bit(uint16_t *w, const uint16_t *grad, int8_t *bq, float *bs, int64_t n, int64_t first, uint64_t key,
+                     int mode, int flags, const float *c, uint16_t *bw, int8_t *bb, float *bbs, int64_t *bad,
+                     int threads) {
     Q8_EACH_RANGE(n, first, bad, sgd_8bit_range(w + lo, grad + lo, bq + lo, bs + blk, hi - lo, first + lo, key, mode,
                                                  flags, c, bw + lo, bb + lo, bbs + blk, &count););
+}
+
+/* sgd_8bit of count tensors of one param group (flags, c) in turn, stopping at the first with a non-finite
+   new weight (as adamw_8bit_many): how many had none. rows: each tensor's 12 words (the addresses of w,
+   grad, bq, bs, bw, bb, bbs; n, first, key, mode, threads). */
+int64_t sgd_8bit_many(int64_t count, const uint64_t *rows, int flags, const float *c) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *r = rows + 12 * i;
+        int64_t bad = 0;
+        sgd_8bit(AT(uint16_t, r[0]), AT(const uint16_t, r[1]), AT(int8_t, r[2]), AT(float, r[3]), (int64_t)r[7],
+                 (int64_t)r[8], r[9], (int)r[10], flags, c, AT(uint16_t, r[4]), AT(int8_t, r[5]), AT(float, r[6]), &bad,
+                 (int)r[11]);
+        if (bad) return i;
+    }
+    return count;
 }

@@ -9,6 +9,7 @@ __all__ = ["SYMBOLS", "declare"]
 
 DATA = c_void_p  # a tensor's elements (`native.ptr`); NULL (None) where the kernel allows it
 CONSTS = POINTER(c_float)  # the step constants, ``(c_float * k)(*hyper.consts())`` of the op's Hyper
+ROWS = POINTER(c_uint64)  # a `_many` entry's rows: each tensor's addresses and ints, ``(c_uint64 * k)(*words)``
 COUNTS = POINTER(c_int64)  # int64 results: ``ctypes.byref(c_int64())`` or ``(c_int64 * k)()``
 
 SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csrc/*.c)
@@ -16,16 +17,14 @@ SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csr
     "round_bf16_paired": (None, (DATA, DATA, c_int64, c_int64, c_uint64, c_int)),
     "adamw_fp32_state": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_int)),
     "adamw_bf16_state": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_int)),
-    "adamw_8bit": (None, (DATA, DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, CONSTS, c_float,
-                          DATA, DATA, DATA, DATA, DATA, COUNTS, c_int)),
+    "adamw_8bit_many": (c_int64, (c_int64, ROWS, CONSTS)),
     "adamw_master": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, CONSTS, c_int)),
     "adamw_remainder": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS,
                                COUNTS, CONSTS, c_int)),
     "sgd_master": (None, (DATA, DATA, DATA, DATA, c_int64, c_int, c_int, CONSTS, c_int)),
     "sgd_fp32_state": (None, (DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, c_int)),
     "sgd_bf16_state": (None, (DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, c_int)),
-    "sgd_8bit": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, c_uint64, c_int, c_int, CONSTS, DATA, DATA, DATA, COUNTS,
-                        c_int)),
+    "sgd_8bit_many": (c_int64, (c_int64, ROWS, c_int, CONSTS)),
     "sgd_remainder": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS, COUNTS, c_int,
                              c_int, CONSTS, c_int)),
     "any_nonfinite": (c_int, (DATA, c_int64, c_int, c_uint32, c_int)),
