@@ -13,7 +13,7 @@ from .counter_bits import Index
 from .ieee import sqrt
 from .rounding import BLOCK, round_counter_
 
-__all__ = ["Hyper", "step_"]
+__all__ = ["Hyper", "step_", "steps_"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,20 @@ def step_eager(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, i
 
 
 def step_native(lib, w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, first: int) -> None:
-    """`step_eager` in one pass of the C kernel (contiguous CPU tensors, ``first`` an int; the
-    symbol table's argtypes convert the Python ints)."""
-    n = w.numel()
-    consts = (ctypes.c_float * 10)(*hyper.consts())
-    fn = lib.adamw_bf16_state if m.dtype == torch.bfloat16 else lib.adamw_fp32_state
-    fn(w.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), n, first, counter_bits.key(seed, step, tensor, 0),
-       consts, native.threads(n))
+    """`step_eager` in one pass of the C kernel (contiguous CPU tensors, ``first`` an int)."""
+    steps_native(lib, [(w, grad, m, v, hyper, tensor, first)], seed, step)
+
+
+def steps_native(lib, steps: list, seed: int, step: int) -> None:
+    """`step_native` of each ``(w, grad, m, v, hyper, tensor, first)`` of ``steps`` in one call of
+    the C kernel (``adamw_bf16_many``)."""
+    rows, consts = [], []
+    for w, grad, m, v, hyper, tensor, first in steps:
+        n = w.numel()
+        rows.append([w.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), n, first,
+                     counter_bits.key(seed, step, tensor, 0), m.dtype == torch.bfloat16, native.threads(n)])
+        consts += hyper.consts()
+    native.call_rows(lib.adamw_bf16_many, rows, (ctypes.c_float * len(consts))(*consts))
 
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index,
@@ -96,3 +103,14 @@ def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index:
     for t, f in zip(tensors, flat):
         if f is not t and t is not grad:
             t.copy_(f)
+
+
+def steps_(steps: list, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> None:
+    """`step_` of each ``(w, grad, m, v, hyper, tensor, index)`` of ``steps``: those the kernel
+    ``lib`` reads where they are (``index`` an int) in one call, the others one at a time."""
+    run, others = native.split(steps, lambda s: lib is not None and isinstance(s[6], int)
+                               and s[1].dtype == torch.bfloat16 and native.direct(s[:4]))
+    if run:
+        steps_native(lib, run, seed, step)
+    for w, grad, m, v, hyper, tensor, index in others:
+        step_(w, grad, m, v, hyper, seed, step, tensor, index, lib)

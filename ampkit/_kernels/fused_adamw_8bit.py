@@ -70,12 +70,11 @@ def steps_native(lib, steps: list, seed: int, step: int) -> int:
     rows, consts = [], []
     for w, grad, mq, ms, vq, vs, hyper, cap, tensor, first, backup in steps:
         n = w.numel()
-        rows += [t.data_ptr() for t in (w, grad, mq, ms, vq, vs, *backup)]
-        rows += [n, first, counter_bits.key(seed, step, tensor, 0), native.threads(n)]
+        rows.append([t.data_ptr() for t in (w, grad, mq, ms, vq, vs, *backup)]
+                    + [n, first, counter_bits.key(seed, step, tensor, 0), native.threads(n)])
         consts += hyper.consts()
         consts.append(cap if math.isfinite(cap) else math.nan)
-    wrote = lib.adamw_8bit_many(len(steps), (ctypes.c_uint64 * len(rows))(*rows),
-                                (ctypes.c_float * len(consts))(*consts))
+    wrote = native.call_rows(lib.adamw_8bit_many, rows, (ctypes.c_float * len(consts))(*consts))
     if wrote < len(steps):
         w, _, mq, ms, vq, vs, *_, backup = steps[wrote]
         restore_(w, mq, ms, vq, vs, backup)
@@ -118,21 +117,16 @@ def steps_(steps: list, seed: int, step: int, lib: Optional[ctypes.CDLL] = None)
 def in_runs(steps: list, lib: Optional[ctypes.CDLL], tensors: int, many: Callable, one: Callable) -> int:
     """O8's steps of ``steps`` in turn, stopping at the first whose new weight would not be
     finite: each run of items whose first ``tensors`` tensors the kernel ``lib`` reads where they
-    are (`_direct`) in one call (``many(run)``: how many wrote), the others one at a time
+    are (`native.direct`) in one call (``many(run)``: how many wrote), the others one at a time
     (``one(*item)``: whether it wrote). How many wrote."""
     done = 0
-    for direct, run in itertools.groupby(steps, key=lambda s: lib is not None and _direct(s[:tensors])):
+    for direct, run in itertools.groupby(steps, key=lambda s: lib is not None and native.direct(s[:tensors])):
         run = list(run)
         wrote = many(run) if direct else next((i for i, s in enumerate(run) if not one(*s)), len(run))
         done += wrote
         if wrote < len(run):
             break
     return done
-
-
-def _direct(tensors) -> bool:
-    """Whether the kernel reads ``tensors`` where they are: CPU and contiguous."""
-    return tensors[0].device.type == "cpu" and all(t.is_contiguous() for t in tensors)
 
 
 def step_flat_(tensors: list, backed: tuple, backup: Optional[tuple], backups_of, lib: Optional[ctypes.CDLL],

@@ -12,7 +12,7 @@ from . import native
 from .fused_adamw import Hyper, arithmetic
 from .remainder import combine, set_side_table, side_table, split_
 
-__all__ = ["step_master_", "step_remainder_", "step_remainder_table_"]
+__all__ = ["step_master_", "steps_master_", "step_remainder_", "step_remainder_table_"]
 
 RBLOCK = 512  # csrc/remainder.h's block: a kernel call leaves room for one block's candidates per range
 
@@ -30,9 +30,18 @@ def step_master_eager(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = N
 
 def step_master_native(lib, x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor]) -> None:
     """`step_master_eager` in one pass of the C kernel (contiguous flat CPU tensors)."""
-    consts = (ctypes.c_float * 10)(*hyper.consts())
-    lib.adamw_master(*(native.ptr(t) for t in (x, grad, m, v)), None if w is None else native.ptr(w),
-                     x.numel(), consts, native.threads(x.numel()))
+    steps_master_native(lib, [(x, grad, m, v, hyper, w)])
+
+
+def steps_master_native(lib, steps: list) -> None:
+    """`step_master_native` of each ``(x, grad, m, v, hyper, w)`` of ``steps`` in one call of the C
+    kernel (``adamw_master_many``)."""
+    rows, consts = [], []
+    for x, grad, m, v, hyper, w in steps:
+        n = x.numel()
+        rows.append([x.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), native.address(w), n, native.threads(n)])
+        consts += hyper.consts()
+    native.call_rows(lib.adamw_master_many, rows, (ctypes.c_float * len(consts))(*consts))
 
 
 def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
@@ -40,8 +49,7 @@ def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
     """One AdamW / Adam step of float32 master ``x`` (its float32 ``grad``, float32 state ``m``,
     ``v``) in place, and ``w = x`` in bfloat16 when ``w`` is given: with the kernel ``lib`` on
     CPU, else `step_master_eager`; the same bits either way."""
-    tensors = [x, grad, m, v] + ([] if w is None else [w])
-    _check(tensors, [torch.float32] * 4 + [torch.bfloat16], "step_master_", ["x", "grad", "m", "v", "w"])
+    tensors = _check_master(x, grad, m, v, w)
     if x.numel() == 0:
         return
     with _contiguous(tensors, written=[0, 2, 3, 4]) as flat:
@@ -49,6 +57,25 @@ def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
             step_master_native(lib, *flat[:4], hyper, flat[4] if w is not None else None)
         else:
             step_master_eager(*flat[:4], hyper, flat[4] if w is not None else None)
+
+
+def steps_master_(steps: list, lib: Optional[ctypes.CDLL] = None) -> None:
+    """`step_master_` of each ``(x, grad, m, v, hyper, w)`` of ``steps``: those the kernel ``lib``
+    reads where they are in one call, the others one at a time (all checked first)."""
+    for x, grad, m, v, _, w in steps:
+        _check_master(x, grad, m, v, w)
+    run, others = native.split(steps, lambda s: lib is not None and native.direct(s[:4] + s[5:]))
+    if run:
+        steps_master_native(lib, run)
+    for x, grad, m, v, hyper, w in others:
+        step_master_(x, grad, m, v, hyper, w, lib)
+
+
+def _check_master(x, grad, m, v, w) -> list:
+    """`step_master_`'s tensors (``w`` where given), checked."""
+    tensors = [x, grad, m, v] + ([] if w is None else [w])
+    _check(tensors, [torch.float32] * 4 + [torch.bfloat16], "step_master_", ["x", "grad", "m", "v", "w"])
+    return tensors
 
 
 def step_remainder_eager(w, r, grad, m, v, hyper: Hyper) -> None:

@@ -13,7 +13,7 @@ from .counter_bits import Index
 from .fused_masters import _check, _contiguous
 from .rounding import round_counter_
 
-__all__ = ["Hyper", "step_master_", "step_"]
+__all__ = ["Hyper", "step_master_", "step_", "steps_master_", "steps_"]
 
 MAXIMIZE, DECAY, NESTEROV = 1, 2, 4  # the kernels' flags (csrc/sgd.c)
 NO_BUFFER, NEW_BUFFER, BUFFER = 0, 1, 2  # momentum 0; the buffer made on this step; a buffer carried on
@@ -69,10 +69,15 @@ def step_master_eager(x, grad, buf, hyper: Hyper, new: bool, w: Optional[torch.T
 
 def step_master_native(lib, x, grad, buf, hyper: Hyper, new: bool, w: Optional[torch.Tensor]) -> None:
     """`step_master_eager` in one pass of the C kernel (contiguous flat CPU tensors)."""
-    n = x.numel()
-    lib.sgd_master(native.ptr(x), native.ptr(grad), None if buf is None else native.ptr(buf),
-                   None if w is None else native.ptr(w), n, _mode(buf, new), hyper.flags(),
-                   (ctypes.c_float * 4)(*hyper.consts()), native.threads(n))
+    steps_master_native(lib, [(x, grad, buf, new, w)], hyper)
+
+
+def steps_master_native(lib, steps: list, hyper: Hyper) -> None:
+    """`step_master_native` of each ``(x, grad, buf, new, w)`` of ``steps`` (one param group's
+    ``hyper``) in one call of the C kernel (``sgd_master_many``)."""
+    rows = [[x.data_ptr(), grad.data_ptr(), native.address(buf), native.address(w), x.numel(), _mode(buf, new),
+             native.threads(x.numel())] for x, grad, buf, new, w in steps]
+    native.call_rows(lib.sgd_master_many, rows, hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()))
 
 
 def step_master_(x, grad, buf, hyper: Hyper, new: bool, w: Optional[torch.Tensor] = None,
@@ -81,9 +86,7 @@ def step_master_(x, grad, buf, hyper: Hyper, new: bool, w: Optional[torch.Tensor
     ``buf``, None when momentum is 0, written from the gradient when ``new``) in place, and
     ``w = x`` in bfloat16 when ``w`` is given: with the kernel ``lib`` on CPU, else
     `step_master_eager`; the same bits either way."""
-    tensors = [x, grad] + [t for t in (buf, w) if t is not None]
-    names = ["x", "grad"] + [name for name, t in (("buf", buf), ("w", w)) if t is not None]
-    _check(tensors, [{"w": torch.bfloat16}.get(name, torch.float32) for name in names], "sgd step_master_", names)
+    tensors = _check_master(x, grad, buf, w)
     if x.numel() == 0:
         return
     with _contiguous(tensors, written=[0] + list(range(2, len(tensors)))) as flat:
@@ -107,11 +110,16 @@ def step_eager(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tens
 
 def step_native(lib, w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, first: int) -> None:
     """`step_eager` in one pass of the C kernel (contiguous flat CPU tensors, ``first`` an int)."""
-    n = w.numel()
-    fn = lib.sgd_bf16_state if buf is not None and buf.dtype == torch.bfloat16 else lib.sgd_fp32_state
-    fn(native.ptr(w), native.ptr(grad), None if buf is None else native.ptr(buf), n,
-       first, counter_bits.key(seed, step, tensor, 0), _mode(buf, new),
-       hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()), native.threads(n))
+    steps_native(lib, [(w, grad, buf, new, tensor, first)], hyper, seed, step)
+
+
+def steps_native(lib, steps: list, hyper: Hyper, seed: int, step: int) -> None:
+    """`step_native` of each ``(w, grad, buf, new, tensor, first)`` of ``steps`` (one param group's
+    ``hyper``) in one call of the C kernel (``sgd_bf16_many``)."""
+    rows = [[w.data_ptr(), grad.data_ptr(), native.address(buf), w.numel(), first, counter_bits.key(seed, step, tensor, 0),
+             _mode(buf, new), buf is not None and buf.dtype == torch.bfloat16, native.threads(w.numel())]
+            for w, grad, buf, new, tensor, first in steps]
+    native.call_rows(lib.sgd_bf16_many, rows, hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()))
 
 
 def step_(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: int, index: Index,
@@ -120,10 +128,7 @@ def step_(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: i
     None when momentum is 0, written from the gradient when ``new``) in place, rounded
     stochastically: with the kernel ``lib`` where it applies (CPU, ``index`` an int), else
     `step_eager`; the same bits either way."""
-    tensors = [w, grad] + ([] if buf is None else [buf])
-    names = ["w", "grad", "buf"][:len(tensors)]
-    state = torch.bfloat16 if torch.is_tensor(buf) and buf.dtype == torch.bfloat16 else torch.float32
-    _check(tensors, [torch.bfloat16, torch.bfloat16, state][:len(tensors)], "sgd step_", names)
+    tensors = _check_step(w, grad, buf)
     if w.numel() == 0:
         return
     with _contiguous(tensors, written=[0, 2]) as flat:
@@ -133,3 +138,45 @@ def step_(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: i
         else:
             step_eager(flat[0], flat[1], b, hyper, new, seed, step, tensor,
                        index.reshape(-1).to(w.device) if torch.is_tensor(index) else index)
+
+
+def steps_(steps: list, hyper: Hyper, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> None:
+    """`step_` of each ``(w, grad, buf, new, tensor, index)`` of ``steps`` (one param group's
+    ``hyper``): those the kernel ``lib`` reads where they are (``index`` an int) in one call, the
+    others one at a time (all checked first)."""
+    for w, grad, buf, *_ in steps:
+        _check_step(w, grad, buf)
+    run, others = native.split(steps, lambda s: lib is not None and isinstance(s[5], int) and native.direct(s[:3]))
+    if run:
+        steps_native(lib, run, hyper, seed, step)
+    for w, grad, buf, new, tensor, index in others:
+        step_(w, grad, buf, hyper, new, seed, step, tensor, index, lib)
+
+
+def steps_master_(steps: list, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:
+    """`step_master_` of each ``(x, grad, buf, new, w)`` of ``steps`` (one param group's ``hyper``):
+    those the kernel ``lib`` reads where they are in one call, the others one at a time (all
+    checked first)."""
+    for x, grad, buf, _, w in steps:
+        _check_master(x, grad, buf, w)
+    run, others = native.split(steps, lambda s: lib is not None and native.direct(s[:3] + s[4:]))
+    if run:
+        steps_master_native(lib, run, hyper)
+    for x, grad, buf, new, w in others:
+        step_master_(x, grad, buf, hyper, new, w, lib)
+
+
+def _check_step(w, grad, buf) -> list:
+    """`step_`'s tensors (``buf`` where given), checked."""
+    tensors = [w, grad] + ([] if buf is None else [buf])
+    state = torch.bfloat16 if torch.is_tensor(buf) and buf.dtype == torch.bfloat16 else torch.float32
+    _check(tensors, [torch.bfloat16, torch.bfloat16, state][:len(tensors)], "sgd step_", ["w", "grad", "buf"][:len(tensors)])
+    return tensors
+
+
+def _check_master(x, grad, buf, w) -> list:
+    """`step_master_`'s tensors (``buf``, ``w`` where given), checked."""
+    tensors = [x, grad] + [t for t in (buf, w) if t is not None]
+    names = ["x", "grad"] + [name for name, t in (("buf", buf), ("w", w)) if t is not None]
+    _check(tensors, [{"w": torch.bfloat16}.get(name, torch.float32) for name in names], "sgd step_master_", names)
+    return tensors

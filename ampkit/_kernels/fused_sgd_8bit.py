@@ -49,13 +49,10 @@ def steps_native(lib, steps: list, hyper: Hyper, seed: int, step: int) -> int:
     param group's ``hyper``) in turn, in one call of the C kernel (``sgd_8bit_many``), stopping
     at the first whose new weight would not be finite (its old values put back, those after it
     untouched): how many wrote."""
-    rows = []
-    for w, grad, bq, bs, new, tensor, first, backup in steps:
-        n = w.numel()
-        rows += [t.data_ptr() for t in (w, grad, bq, bs, *backup)]
-        rows += [n, first, counter_bits.key(seed, step, tensor, 0), NEW_BUFFER if new else BUFFER, native.threads(n)]
-    wrote = lib.sgd_8bit_many(len(steps), (ctypes.c_uint64 * len(rows))(*rows), hyper.flags(),
-                              (ctypes.c_float * 4)(*hyper.consts()))
+    rows = [[t.data_ptr() for t in (w, grad, bq, bs, *backup)]
+            + [w.numel(), first, counter_bits.key(seed, step, tensor, 0), NEW_BUFFER if new else BUFFER,
+               native.threads(w.numel())] for w, grad, bq, bs, new, tensor, first, backup in steps]
+    wrote = native.call_rows(lib.sgd_8bit_many, rows, hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()))
     if wrote < len(steps):
         w, _, bq, bs, *_, backup = steps[wrote]
         restore_(w, bq, bs, backup)

@@ -47,14 +47,12 @@ def _declare(schema: str, impl, fake) -> None:
 
 
 def adamw_bf16(w, grad, m, v, count, hyper, flags, seed, step, tensor, first) -> None:
-    """O7's step (`fused_adamw.step_`) of each bf16 ``w[i]`` from element ``first[i]`` on (its
+    """O7's step (`fused_adamw.steps_`) of each bf16 ``w[i]`` from element ``first[i]`` on (its
     gradient, state, ``tensor[i]``); ``count[i]``: its step count (this step included);
     ``hyper``: lr, beta1, beta2, eps, weight_decay; ``flags``: decoupled, maximize. One call
     steps the tensors of a param group: the dispatcher's cost once, not per tensor."""
-    lib = native.library()
-    for i in range(len(w)):
-        fused_adamw.step_(w[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), seed, step, tensor[i], first[i],
-                          lib)
+    fused_adamw.steps_([(w[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), tensor[i], first[i])
+                        for i in range(len(w))], seed, step, native.library())
 
 
 _declare("adamw_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)[] v, Tensor[] count, float[] hyper, "
@@ -64,10 +62,9 @@ _declare("adamw_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)[]
 
 def adamw_master(x, grad, m, v, w, count, hyper, flags) -> None:
     """O5's step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]`` (``w`` empty:
-    none) (`fused_masters.step_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
-    lib = native.library()
-    for i in range(len(x)):
-        fused_masters.step_master_(x[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), w[i] if w else None, lib)
+    none) (`fused_masters.steps_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
+    fused_masters.steps_master_([(x[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), w[i] if w else None)
+                                 for i in range(len(x))], native.library())
 
 
 _declare("adamw_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)[] v, Tensor(d!)[] w, "
@@ -120,12 +117,11 @@ def _sgd_values(hyper: fused_sgd.Hyper) -> tuple:
 
 
 def sgd_bf16(w, grad, buf, hyper, flags, new, seed, step, tensor, first) -> None:
-    """O7's SGD step (`fused_sgd.step_`) of each bf16 ``w[i]`` from element ``first[i]`` on;
+    """O7's SGD step (`fused_sgd.steps_`) of each bf16 ``w[i]`` from element ``first[i]`` on;
     ``buf[i]``: its momentum buffer (``buf`` empty when momentum is 0), made from the gradient
     when ``new[i]``. One call steps the tensors of a param group."""
-    lib, h = native.library(), _sgd(hyper, flags)
-    for i in range(len(w)):
-        fused_sgd.step_(w[i], grad[i], buf[i] if buf else None, h, new[i], seed, step, tensor[i], first[i], lib)
+    fused_sgd.steps_([(w[i], grad[i], buf[i] if buf else None, new[i], tensor[i], first[i]) for i in range(len(w))],
+                     _sgd(hyper, flags), seed, step, native.library())
 
 
 _declare("sgd_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] buf, float[] hyper, bool[] flags, bool[] new, "
@@ -135,10 +131,9 @@ _declare("sgd_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] buf, float[] hype
 
 def sgd_master(x, grad, buf, w, hyper, flags, new) -> None:
     """O5's SGD step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]``
-    (`fused_sgd.step_master_`; ``buf`` and ``w`` empty: none)."""
-    lib, h = native.library(), _sgd(hyper, flags)
-    for i in range(len(x)):
-        fused_sgd.step_master_(x[i], grad[i], buf[i] if buf else None, h, new[i], w[i] if w else None, lib)
+    (`fused_sgd.steps_master_`; ``buf`` and ``w`` empty: none)."""
+    fused_sgd.steps_master_([(x[i], grad[i], buf[i] if buf else None, new[i], w[i] if w else None)
+                             for i in range(len(x))], _sgd(hyper, flags), native.library())
 
 
 _declare("sgd_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] buf, Tensor(c!)[] w, float[] hyper, bool[] flags, "

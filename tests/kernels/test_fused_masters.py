@@ -2,6 +2,8 @@
 references bit for bit (odd, empty and non-contiguous tensors, 1 or 2 threads, shards, the
 side table's rare values and its buffers filling up), a remainder master steps exactly as the
 O5 master it holds, and bad arguments are refused before anything is written."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -194,3 +196,26 @@ def test_bad_arguments_are_refused_before_anything_is_written(lib):
     with pytest.raises(TypeError, match="step_remainder_: r must be a dense torch.int16"):
         step_remainder_(w, r.int(), g16, m2, v2, HYPERS[0], lib=lib)
     assert same([x, grad, m, v], before) and same([w, r], held(x, grad, m, v)[:2])
+
+
+@pytest.mark.parametrize("with_weights", [True, False])
+def test_a_groups_masters_in_one_op_step_as_each_alone(lib, with_weights):
+    """O5's op over a group (odd, empty and large masters, one strided, step counts that differ;
+    bf16 model weights or none): each master, its state and weight get `step_master_`'s bits."""
+    from ampkit._kernels import ops
+
+    sizes = [1001, 0, 7, 2 * native.MIN_PER_THREAD + 3]
+    ref = [masters(n, seed) + ([torch.empty(n, dtype=torch.bfloat16)] if with_weights else []) for seed, n in enumerate(sizes)]
+    got = [[t.clone() for t in ts] for ts in ref]
+    got[2] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in got[2]]
+    counts = [torch.tensor(float(2 + i)) for i in range(len(sizes))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ops.master_steps_([(*t[:4], c, t[4] if with_weights else None) for t, c in zip(got, counts)], HYPERS[1])
+    finally:
+        torch.set_num_threads(threads)
+    for t, c in zip(ref, counts):
+        step_master_(*t[:4], dataclasses.replace(HYPERS[1], step=c.item()), t[4] if with_weights else None)
+    assert all(same(r, g) for r, g in zip(ref, got))
+    assert not torch.equal(ref[0][0], masters(sizes[0], 0)[0])

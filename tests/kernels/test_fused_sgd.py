@@ -186,3 +186,34 @@ def test_kernel_equals_the_eager_reference_on_special_values(lib, kind, state):
             for a, b in zip(ref, got):
                 nan = a.isnan()
                 assert torch.equal(nan, b.isnan()) and torch.equal(bits(a)[~nan], bits(b)[~nan]), (hyper, grad)
+
+
+@pytest.mark.parametrize("kind, state", KINDS)
+def test_a_groups_tensors_in_one_op_step_as_each_alone(lib, kind, state):
+    """The op over a group (odd, empty and large tensors, one strided; first and later steps): one
+    kernel call for the contiguous ones, each tensor with `step_`'s / `step_master_`'s bits."""
+    from ampkit._kernels import ops
+
+    hyper = Hyper(0.05, 0.9, 0.1, 0.01, False, True)
+    sizes = [1001, 0, 7, 2 * native.MIN_PER_THREAD + 3]
+    weights = [torch.empty(n, dtype=torch.bfloat16) for n in sizes] if kind == "master" else [None] * len(sizes)
+    ref = [tensors(n, hyper, state, seed) + [w] for seed, (n, w) in enumerate(zip(sizes, weights))]
+    got = [clone(ts) for ts in ref]
+    got[2] = [None if t is None else torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in got[2]]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for step, new in enumerate((True, False)):
+            if kind == "master":
+                ops.sgd_master_steps_([(x, g, b, new, w) for x, g, b, w in got], hyper)
+            else:
+                ops.sgd_steps_([(w, g, b, new, i, 13 * i) for i, (w, g, b, _) in enumerate(got)], hyper, 1234, step)
+            for i, ts in enumerate(ref):
+                if kind == "master":
+                    step_master_(*ts[:3], hyper, new, ts[3])
+                else:
+                    step_(*ts[:3], hyper, new, 1234, step, i, 13 * i)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(same(r, g) for r, g in zip(ref, got))
+    assert not torch.equal(ref[0][0], tensors(sizes[0], hyper, state, 0)[0])

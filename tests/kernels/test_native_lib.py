@@ -52,7 +52,7 @@ def test_a_wrong_argument_is_a_ctypes_error_not_a_call(lib):
     with pytest.raises(ctypes.ArgumentError):  # a tensor where its address goes
         lib.round_bf16(x, native.ptr(out), 4, 0, 1, 0, 1)
     with pytest.raises(ctypes.ArgumentError):  # an int64 array where the float constants go
-        lib.adamw_master(*(native.ptr(x) for _ in range(4)), None, 4, (ctypes.c_int64 * 10)(), 1)
+        lib.adamw_master_many(1, (ctypes.c_uint64 * 7)(*(native.ptr(x) for _ in range(4)), 0, 4, 1), (ctypes.c_int64 * 10)())
     with pytest.raises(TypeError, match="takes at least 5 arguments"):  # too few
         lib.any_nonfinite(native.ptr(x), 4, 4)
     assert lib.any_nonfinite(native.ptr(x), 4, 4, 0x7F800000, 1) == 0  # plain ints convert

@@ -27,12 +27,26 @@ static void adamw_bf16_range(uint16_t *w, const uint16_t *grad, uint16_t *ms, ui
     ADAMW_BODY(widen(ms[i]), widen(vs[i]), ms[i] = narrow(m, (a >> 16) & 0xFFFF), vs[i] = narrow(v, (a >> 32) & 0xFFFF))
 }
 
-void adamw_fp32_state(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
-                      uint64_t key0, const float *c, int threads) {
+static void adamw_fp32_state(uint16_t *w, const uint16_t *grad, float *ms, float *vs, int64_t n, int64_t first,
+                             uint64_t key0, const float *c, int threads) {
     EACH_RANGE(n, lo, hi, adamw_fp32_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, c);)
 }
 
-void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
-                      uint64_t key0, const float *c, int threads) {
+static void adamw_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *ms, uint16_t *vs, int64_t n, int64_t first,
+                             uint64_t key0, const float *c, int threads) {
     EACH_RANGE(n, lo, hi, adamw_bf16_range(w + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo, key0, c);)
+}
+
+/* O7's step of count tensors (a param group's; one call, not one a tensor). rows: each tensor's 9 words (the
+   addresses of w, grad, m, v; n, first, key0, whether m and v are bf16, threads); consts: its 10 step constants. */
+void adamw_bf16_many(int64_t count, const uint64_t *rows, const float *consts) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *r = rows + 9 * i;
+        if (r[7])
+            adamw_bf16_state(AT(uint16_t, r[0]), AT(const uint16_t, r[1]), AT(uint16_t, r[2]), AT(uint16_t, r[3]),
+                             (int64_t)r[4], (int64_t)r[5], r[6], consts + 10 * i, (int)r[8]);
+        else
+            adamw_fp32_state(AT(uint16_t, r[0]), AT(const uint16_t, r[1]), AT(float, r[2]), AT(float, r[3]),
+                             (int64_t)r[4], (int64_t)r[5], r[6], consts + 10 * i, (int)r[8]);
+    }
 }

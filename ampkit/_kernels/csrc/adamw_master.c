@@ -31,8 +31,19 @@ static void adamw_master_range(float *restrict x, const float *restrict grad, fl
     }
 }
 
-void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w, int64_t n, const float *c, int threads) {
+static void adamw_master(float *x, const float *grad, float *ms, float *vs, uint16_t *w, int64_t n, const float *c,
+                         int threads) {
     EACH_RANGE(n, lo, hi, adamw_master_range(x + lo, grad + lo, ms + lo, vs + lo, w ? w + lo : NULL, hi - lo, c);)
+}
+
+/* adamw_master of count tensors (a param group's O5 masters; one call, not one a tensor). rows: each tensor's 7
+   words (the addresses of x, grad, m, v, w (0: none); n, threads); consts: its 10 step constants. */
+void adamw_master_many(int64_t count, const uint64_t *rows, const float *consts) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *r = rows + 7 * i;
+        adamw_master(AT(float, r[0]), AT(const float, r[1]), AT(float, r[2]), AT(float, r[3]), AT(uint16_t, r[4]),
+                     (int64_t)r[5], consts + 10 * i, (int)r[6]);
+    }
 }
 
 /* One remainder master's step: its float32 bits B stepped into X (m, v of element I written). */

@@ -25,8 +25,8 @@ static void sgd_master_range(float *x, const float *grad, float *bufs, uint16_t 
 #undef MASTER
 }
 
-void sgd_master(float *x, const float *grad, float *bufs, uint16_t *w, int64_t n, int mode, int flags, const float *c,
-                int threads) {
+static void sgd_master(float *x, const float *grad, float *bufs, uint16_t *w, int64_t n, int mode, int flags,
+                       const float *c, int threads) {
     EACH_RANGE(n, lo, hi, sgd_master_range(x + lo, grad + lo, bufs ? bufs + lo : NULL, w ? w + lo : NULL, hi - lo, mode,
                                            flags, c);)
 }
@@ -63,14 +63,38 @@ static void bf16_state_range(uint16_t *w, const uint16_t *grad, uint16_t *bufs, 
 #undef BF16
 }
 
-void sgd_fp32_state(uint16_t *w, const uint16_t *grad, float *bufs, int64_t n, int64_t first, uint64_t key0, int mode,
-                    int flags, const float *c, int threads) {
+static void sgd_fp32_state(uint16_t *w, const uint16_t *grad, float *bufs, int64_t n, int64_t first, uint64_t key0,
+                           int mode, int flags, const float *c, int threads) {
     EACH_RANGE(n, lo, hi, fp32_state_range(w + lo, grad + lo, bufs ? bufs + lo : NULL, hi - lo, first + lo, key0, mode,
                                            flags, c);)
 }
 
-void sgd_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *bufs, int64_t n, int64_t first, uint64_t key0, int mode,
-                    int flags, const float *c, int threads) {
+static void sgd_bf16_state(uint16_t *w, const uint16_t *grad, uint16_t *bufs, int64_t n, int64_t first, uint64_t key0,
+                           int mode, int flags, const float *c, int threads) {
     EACH_RANGE(n, lo, hi, bf16_state_range(w + lo, grad + lo, bufs ? bufs + lo : NULL, hi - lo, first + lo, key0, mode,
                                            flags, c);)
+}
+
+/* sgd_master of count tensors of one param group (flags, c; one call, not one a tensor). rows: each tensor's 7
+   words (the addresses of x, grad, buf (0: none), w (0: none); n, mode, threads). */
+void sgd_master_many(int64_t count, const uint64_t *rows, int flags, const float *c) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *r = rows + 7 * i;
+        sgd_master(AT(float, r[0]), AT(const float, r[1]), AT(float, r[2]), AT(uint16_t, r[3]), (int64_t)r[4], (int)r[5],
+                   flags, c, (int)r[6]);
+    }
+}
+
+/* O7's SGD step of count tensors of one param group (flags, c). rows: each tensor's 9 words (the addresses of w,
+   grad, buf (0: none); n, first, key0, mode, whether the buffer is bf16, threads). */
+void sgd_bf16_many(int64_t count, const uint64_t *rows, int flags, const float *c) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *r = rows + 9 * i;
+        if (r[7])
+            sgd_bf16_state(AT(uint16_t, r[0]), AT(const uint16_t, r[1]), AT(uint16_t, r[2]), (int64_t)r[3],
+                           (int64_t)r[4], r[5], (int)r[6], flags, c, (int)r[8]);
+        else
+            sgd_fp32_state(AT(uint16_t, r[0]), AT(const uint16_t, r[1]), AT(float, r[2]), (int64_t)r[3], (int64_t)r[4],
+                           r[5], (int)r[6], flags, c, (int)r[8]);
+    }
 }

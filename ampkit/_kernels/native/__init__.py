@@ -16,7 +16,8 @@ from . import build
 from .build import cache_dir, compiler
 from .lib import declare
 
-__all__ = ["library", "status", "is_compatible", "compiler", "cache_dir", "threads", "ptr", "MIN_PER_THREAD"]
+__all__ = ["library", "status", "is_compatible", "compiler", "cache_dir", "threads", "ptr", "direct", "split", "address",
+           "call_rows", "MIN_PER_THREAD"]
 
 MIN_PER_THREAD = 1 << 15  # elements: below this a call stays on one thread
 
@@ -72,6 +73,32 @@ def status() -> str:
 def threads(n: int) -> int:
     """The threads a kernel call over ``n`` elements runs on: torch's, one when ``n`` is small."""
     return max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
+
+
+def direct(tensors) -> bool:
+    """Whether a kernel reads ``tensors`` (None: absent) where they are: on the CPU and contiguous."""
+    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
+def split(items: list, fits) -> tuple:
+    """``items`` as (those for which ``fits(item)``, the others), each in order."""
+    yes, no = [], []
+    for item in items:
+        (yes if fits(item) else no).append(item)
+    return yes, no
+
+
+def address(t: Optional[torch.Tensor]) -> int:
+    """Contiguous ``t``'s address in a kernel's row (0 for None: none)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def call_rows(fn, rows: list, *args):
+    """``fn(len(rows), words, *args)``: a kernel's ``_many`` entry over one row of ints a tensor (its
+    addresses, then its sizes) in one ctypes call, where a tensor each cost a call of 7-18
+    arguments; its result."""
+    words = [word for row in rows for word in row]
+    return fn(len(rows), (ctypes.c_uint64 * len(words))(*words), *args)
 
 
 def ptr(t: torch.Tensor, at: int = 0) -> int:
