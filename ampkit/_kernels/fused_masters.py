@@ -61,10 +61,10 @@ def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
 
 def steps_master_(steps: list, lib: Optional[ctypes.CDLL] = None) -> None:
     """`step_master_` of each ``(x, grad, m, v, hyper, w)`` of ``steps``: those the kernel ``lib``
-    reads where they are in one call, the others one at a time (all checked first)."""
+    reads where they are (not empty) in one call, the others one at a time (all checked first)."""
     for x, grad, m, v, _, w in steps:
         _check_master(x, grad, m, v, w)
-    run, others = native.split(steps, lambda s: lib is not None and native.direct(s[:4] + s[5:]))
+    run, others = native.split(steps, lambda s: lib is not None and s[0].numel() > 0 and native.direct(s[:4] + s[5:]))
     if run:
         steps_master_native(lib, run)
     for x, grad, m, v, hyper, w in others:

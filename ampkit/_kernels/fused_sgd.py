@@ -142,11 +142,12 @@ def step_(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: i
 
 def steps_(steps: list, hyper: Hyper, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> None:
     """`step_` of each ``(w, grad, buf, new, tensor, index)`` of ``steps`` (one param group's
-    ``hyper``): those the kernel ``lib`` reads where they are (``index`` an int) in one call, the
-    others one at a time (all checked first)."""
+    ``hyper``): those the kernel ``lib`` reads where they are (``index`` an int; not empty) in one
+    call, the others one at a time (all checked first)."""
     for w, grad, buf, *_ in steps:
         _check_step(w, grad, buf)
-    run, others = native.split(steps, lambda s: lib is not None and isinstance(s[5], int) and native.direct(s[:3]))
+    run, others = native.split(steps, lambda s: lib is not None and isinstance(s[5], int) and s[0].numel() > 0
+                               and native.direct(s[:3]))
     if run:
         steps_native(lib, run, hyper, seed, step)
     for w, grad, buf, new, tensor, index in others:
@@ -155,11 +156,11 @@ def steps_(steps: list, hyper: Hyper, seed: int, step: int, lib: Optional[ctypes
 
 def steps_master_(steps: list, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:
     """`step_master_` of each ``(x, grad, buf, new, w)`` of ``steps`` (one param group's ``hyper``):
-    those the kernel ``lib`` reads where they are in one call, the others one at a time (all
-    checked first)."""
+    those the kernel ``lib`` reads where they are (not empty) in one call, the others one at a
+    time (all checked first)."""
     for x, grad, buf, _, w in steps:
         _check_master(x, grad, buf, w)
-    run, others = native.split(steps, lambda s: lib is not None and native.direct(s[:3] + s[4:]))
+    run, others = native.split(steps, lambda s: lib is not None and s[0].numel() > 0 and native.direct(s[:3] + s[4:]))
     if run:
         steps_master_native(lib, run, hyper)
     for x, grad, buf, new, w in others:
