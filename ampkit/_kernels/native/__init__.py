@@ -77,7 +77,10 @@ def threads(n: int) -> int:
 
 def direct(tensors) -> bool:
     """Whether a kernel reads ``tensors`` (None: absent) where they are: on the CPU and contiguous."""
-    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+    for t in tensors:  # a loop, not all() over a generator: this runs for every tensor of every step
+        if t is not None and not (t.is_cpu and t.is_contiguous()):
+            return False
+    return True
 
 
 def split(items: list, fits) -> tuple:
