@@ -12,7 +12,7 @@ from .fused_adamw import Hyper
 from .remainder import set_side_table, side_table
 
 __all__ = ["adamw_steps_", "master_steps_", "remainder_steps_", "adamw_8bit_steps_", "sgd_steps_", "sgd_master_steps_",
-           "sgd_remainder_step_", "sgd_8bit_steps_"]
+           "sgd_remainder_steps_", "sgd_8bit_steps_"]
 
 
 _NO_TABLE = torch.empty(0, dtype=torch.int64)  # the op's argument for a CPU remainder without a table (only read)
@@ -72,22 +72,31 @@ _declare("adamw_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)
          adamw_master, lambda x, grad, m, v, w, count, hyper, flags: None)
 
 
-def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> torch.Tensor:
-    """The remainder masters' step (`fused_masters.step_remainder_`) of ``(w, r)`` with ``r``'s
-    side table ``table``; returns the new side table (a tensor argument and result, not ``r``'s
-    attribute: a traced op may be handed copies of its arguments; one tensor a call, as torch
-    cannot functionalize an op that returns a list)."""
-    return fused_masters.step_remainder_table_(w, r, grad, m, v, _hyper(hyper, flags, count), table, native.library())
+def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> tuple:
+    """The remainder masters' step (`fused_masters.step_remainder_`) of each ``(w[i], r[i])`` with
+    ``r[i]``'s side table ``table[i]`` (``count``, ``hyper``, ``flags`` as `adamw_bf16`'s); returns
+    the new side tables (`_tables`: arguments and results, not ``r``'s attribute, as a traced op may
+    be handed copies of its arguments). One call steps a param group's tensors."""
+    lib = native.library()
+    return _tables([fused_masters.step_remainder_table_(w[i], r[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]),
+                                                         table[i], lib) for i in range(len(w))])
 
 
-def _new_table(table: torch.Tensor) -> torch.Tensor:
-    """A remainder op's fake result: a new side table, of a size known only when the op ran."""
-    return table.new_empty(torch.library.get_ctx().new_dynamic_size())
+def _tables(tables: list) -> tuple:
+    """A remainder op's result: its new side tables concatenated, and each one's size (two int64
+    tensors: torch cannot functionalize an op that returns a list of them)."""
+    return torch.cat(tables), torch.tensor([t.numel() for t in tables], dtype=torch.int64)
 
 
-_declare("adamw_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!) m, Tensor(d!) v, Tensor table, "
-         "Tensor count, float[] hyper, bool[] flags) -> Tensor",
-         adamw_remainder, lambda w, r, grad, m, v, table, count, hyper, flags: _new_table(table))
+def _new_tables(table: list) -> tuple:
+    """A remainder op's fake result: the new side tables (concatenated, a size known only when the
+    op ran) and their sizes."""
+    return table[0].new_empty(torch.library.get_ctx().new_dynamic_size()), table[0].new_empty(len(table))
+
+
+_declare("adamw_remainder(Tensor(a!)[] w, Tensor(b!)[] r, Tensor[] grad, Tensor(c!)[] m, Tensor(d!)[] v, "
+         "Tensor[] table, Tensor[] count, float[] hyper, bool[] flags) -> (Tensor, Tensor)",
+         adamw_remainder, lambda w, r, grad, m, v, table, count, hyper, flags: _new_tables(table))
 
 
 def adamw_8bit(w, grad, mq, ms, vq, vs, backup, count, hyper, flags, cap, seed, step, tensor, first) -> torch.Tensor:
@@ -141,16 +150,18 @@ _declare("sgd_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] buf, Tensor(c!)
          sgd_master, lambda x, grad, buf, w, hyper, flags, new: None)
 
 
-def sgd_remainder(w, r, grad, buf, table, hyper, flags, new) -> torch.Tensor:
-    """The remainder masters' SGD step (`fused_sgd_remainder.step_table_`) of ``(w, r)`` with
-    ``r``'s side table ``table`` (``buf`` as `sgd_bf16`'s); returns the new side table (as
-    `adamw_remainder`)."""
-    return fused_sgd_remainder.step_table_(w, r, grad, buf, _sgd(hyper, flags), new, table, native.library())
+def sgd_remainder(w, r, grad, buf, table, hyper, flags, new) -> tuple:
+    """The remainder masters' SGD step (`fused_sgd_remainder.step_table_`) of each ``(w[i], r[i])``
+    with ``r[i]``'s side table ``table[i]`` (``buf`` as `sgd_bf16`'s); returns the new side tables
+    (as `adamw_remainder`). One call steps a param group's tensors."""
+    lib, h = native.library(), _sgd(hyper, flags)
+    return _tables([fused_sgd_remainder.step_table_(w[i], r[i], grad[i], buf[i] if buf else None, h, new[i], table[i], lib)
+                    for i in range(len(w))])
 
 
-_declare("sgd_remainder(Tensor(a!) w, Tensor(b!) r, Tensor grad, Tensor(c!)? buf, Tensor table, float[] hyper, "
-         "bool[] flags, bool new) -> Tensor",
-         sgd_remainder, lambda w, r, grad, buf, table, hyper, flags, new: _new_table(table))
+_declare("sgd_remainder(Tensor(a!)[] w, Tensor(b!)[] r, Tensor[] grad, Tensor(c!)[] buf, Tensor[] table, "
+         "float[] hyper, bool[] flags, bool[] new) -> (Tensor, Tensor)",
+         sgd_remainder, lambda w, r, grad, buf, table, hyper, flags, new: _new_tables(table))
 
 
 def sgd_8bit(w, grad, bq, bs, backup, hyper, flags, new, seed, step, tensor, first) -> torch.Tensor:
@@ -204,10 +215,19 @@ def master_steps_(steps: list, hyper: Hyper) -> None:
 
 def remainder_steps_(steps: list, hyper: Hyper) -> None:
     """`fused_masters.step_remainder_` of each ``(w, r, grad, m, v, count)`` of ``steps`` (CPU
-    tensors of one group, at step ``count`` as `adamw_steps_`'s), as the op (one call each)."""
-    values = _values(hyper)
-    for w, r, grad, m, v, count in steps:
-        set_side_table(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, _table_arg(r), count, *values))
+    tensors of one group, at step ``count`` as `adamw_steps_`'s), as the op."""
+    if steps:
+        w, r, grad, m, v, count = (list(column) for column in zip(*steps))
+        _set_tables(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, [_table_arg(x) for x in r], count,
+                                                        *_values(hyper)))
+
+
+def _set_tables(remainders: list, result: tuple) -> None:
+    """Each of ``remainders`` its new side table from a remainder op's ``result`` (`_tables`), a
+    copy where it has entries: a table owns its entries, not the others'."""
+    entries, sizes = result
+    for r, table in zip(remainders, entries.split(sizes.tolist())):
+        set_side_table(r, table.clone() if table.numel() else table)
 
 
 def adamw_8bit_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> int:
@@ -242,9 +262,13 @@ def sgd_master_steps_(steps: list, hyper: fused_sgd.Hyper) -> None:
         torch.ops.ampkit.sgd_master(x, grad, _all_or_none("buf", buf), _all_or_none("w", w), *_sgd_values(hyper), new)
 
 
-def sgd_remainder_step_(w, r, grad, buf, hyper: fused_sgd.Hyper, new: bool) -> None:
-    """`fused_sgd_remainder.step_` of CPU tensors, as the op."""
-    set_side_table(r, torch.ops.ampkit.sgd_remainder(w, r, grad, buf, _table_arg(r), *_sgd_values(hyper), new))
+def sgd_remainder_steps_(steps: list, hyper: fused_sgd.Hyper) -> None:
+    """`fused_sgd_remainder.step_` of each ``(w, r, grad, buf, new)`` of ``steps`` (CPU tensors of
+    one group; ``buf`` None for all or none), as the op."""
+    if steps:
+        w, r, grad, buf, new = (list(column) for column in zip(*steps))
+        _set_tables(r, torch.ops.ampkit.sgd_remainder(w, r, grad, _all_or_none("buf", buf), [_table_arg(x) for x in r],
+                                                      *_sgd_values(hyper), new))
 
 
 def sgd_8bit_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> int:

@@ -138,9 +138,10 @@ def step_masters(optimizer, items) -> None:
 def step_remainders(optimizer, params, grads: dict, remainders) -> None:
     """One SGD step of each ``(group, p)`` of ``params`` (all `eligible` with a float32 buffer),
     whose master is bf16 ``p`` with ``remainders[i]`` (``_kernels/fused_sgd_remainder.py``)."""
-    hypers = group_hypers(params)
+    steps = []
     for (group, p), r in zip(params, remainders):
-        h = hypers[id(group)]
         buf, new = _buffer(optimizer, group, p, torch.float32)
-        with torch.no_grad():
-            ops.sgd_remainder_step_(local(p), r, local(grads[p]), None if buf is None else local(buf), h, new)
+        steps.append((group, local(p), r, local(grads[p]), None if buf is None else local(buf), new))
+    with torch.no_grad():
+        for group, run in by_group(steps):
+            ops.sgd_remainder_steps_(run, hyper(group))

@@ -219,3 +219,22 @@ def test_a_groups_masters_in_one_op_step_as_each_alone(lib, with_weights):
         step_master_(*t[:4], dataclasses.replace(HYPERS[1], step=c.item()), t[4] if with_weights else None)
     assert all(same(r, g) for r, g in zip(ref, got))
     assert not torch.equal(ref[0][0], masters(sizes[0], 0)[0])
+
+
+def test_a_groups_remainder_masters_in_one_op_step_as_each_alone(lib):
+    """The remainder op over a group (two large masters whose side tables are in use before and
+    after, an empty one, a strided one, step counts that differ): each weight, remainder, state and side
+    table as `step_remainder_` gives it alone, each table owning only its entries."""
+    from ampkit._kernels import ops
+
+    sizes = [2_000_003, 0, 301, 2_000_001]
+    ref = [held(*masters(n, seed)) for seed, n in enumerate(sizes)]
+    got = [clone(ts) for ts in ref]
+    got[2] = [torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in got[2]]
+    counts = [torch.tensor(float(2 + i)) for i in range(len(sizes))]
+    ops.remainder_steps_([(*ts, c) for ts, c in zip(got, counts)], HYPERS[0])
+    for ts, c in zip(ref, counts):
+        step_remainder_(*ts, dataclasses.replace(HYPERS[0], step=c.item()), lib=None)
+    assert all(same(r, g) and torch.equal(side_table(r[1]), side_table(g[1])) for r, g in zip(ref, got))
+    for table in (side_table(got[0][1]), side_table(got[3][1])):  # two tables: each not a view of both
+        assert table.numel() > 0 and table.untyped_storage().nbytes() == 8 * table.numel()

@@ -165,7 +165,7 @@ def test_the_declared_op_compiles_into_one_graph_with_the_eager_bits(lib):
     hyper = Hyper(0.05, 0.9, 0.0, 0.01, True, False)
 
     def step(w, r, grad, buf, table, rstep):
-        return torch.ops.ampkit.sgd_remainder(w, r, grad, buf, table, *ops._sgd_values(hyper), rstep == 0)
+        return torch.ops.ampkit.sgd_remainder([w], [r], [grad], [buf], [table], *ops._sgd_values(hyper), [rstep == 0])[0]
 
     x, grad, buf = masters(1000, hyper)
     x.view(torch.int32)[::100] = x.view(torch.int32)[::100] & ~0x1FFFF | 0x07FFF  # listed in the side table
@@ -179,3 +179,23 @@ def test_the_declared_op_compiles_into_one_graph_with_the_eager_bits(lib):
             for run, fn in zip(runs, (step, compiled)):
                 run[4] = fn(*run, rstep)
     assert same(*runs) and not torch.equal(runs[1][0], x.bfloat16())
+
+
+@pytest.mark.parametrize("hyper", [HYPERS[0], Hyper(0.05, 0.9, 0.1, 0.01, False, True)])  # no buffer; one
+def test_a_groups_remainder_masters_in_one_op_step_as_each_alone(lib, hyper):
+    """The remainder op over a group (two large masters whose side tables are in use, an empty one,
+    a strided one; first and later steps): each weight, remainder, buffer and side table as `step_`
+    gives it alone, each table owning only its entries."""
+    from ampkit._kernels import ops
+
+    sizes = [2_000_003, 0, 301, 2_000_001]
+    ref = [held(*masters(n, hyper, seed)) for seed, n in enumerate(sizes)]
+    got = [clone(ts) for ts in ref]
+    got[2] = [None if t is None else torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t) for t in got[2]]
+    for new in (True, False):
+        ops.sgd_remainder_steps_([(*ts, new) for ts in got], hyper)
+        for ts in ref:
+            step_(*ts, hyper, new, lib=None)
+    assert all(same(r, g) and tables_equal(r, g) for r, g in zip(ref, got))
+    for table in (side_table(got[0][1]), side_table(got[3][1])):  # two tables: each not a view of both
+        assert table.numel() > 0 and table.untyped_storage().nbytes() == 8 * table.numel()

@@ -298,7 +298,7 @@ def test_the_remainder_op_compiles_into_one_graph_with_the_eager_bits(lib):
 
     def step(w, r, g, m, v, table, count, rstep):
         count += 1
-        return torch.ops.ampkit.adamw_remainder(w, r, g, m, v, table, count, *ops._values(Hyper(**HYPER)))
+        return torch.ops.ampkit.adamw_remainder([w], [r], [g], [m], [v], [table], [count], *ops._values(Hyper(**HYPER)))[0]
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1000, generator=gen)
