@@ -66,15 +66,16 @@ def strided(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(2 * t.numel(), dtype=t.dtype)[::2].copy_(t)
 
 
-def assert_steps_stop_at_the_first_bad(make, steps, one, spoil, lib, bad) -> None:
+def assert_steps_stop_at_the_first_bad(make, steps, one, lib, bad) -> None:
     """``steps(items, lib)`` (the tensors of `SIZES` from ``make(n, first, seed)`` in one call, as
     ``(tensors, first)``, tensor ``i`` the i-th; weight `STRIDED` strided) writes what ``one(tensors,
-    first, i)`` (the eager reference) writes for each tensor before ``bad`` (None: all), says how many, and stops there:
-    the tensor ``bad`` (``spoil(tensors)`` makes its new weight non-finite) and those after it keep
-    their bits. On two threads, so that the large tensor's ranges run in parallel."""
+    first, i)`` (the eager reference) writes for each tensor before ``bad`` (None: all), says how many,
+    and stops there: the tensor ``bad`` (its last code, ``tensors[2]``, made NaN: a non-finite new
+    weight) and those after it keep their bits. On two threads, so that the large tensor's ranges run
+    in parallel."""
     made = [make(n, first, seed) for seed, (n, first) in enumerate(SIZES)]
     if bad is not None:
-        spoil(made[bad])
+        made[bad][2][-1] = -128  # the int8 code of NaN
     ref, got = [[t.clone() for t in ts] for ts in made], [[t.clone() for t in ts] for ts in made]
     got[STRIDED][0] = strided(got[STRIDED][0])
     threads = torch.get_num_threads()
