@@ -94,13 +94,9 @@ def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tens
     tensors, listed = (w, r, grad, m, v), (table.data_ptr(), table.numel())
 
     def call(lo, hi, found, cap, counts, done, threads):
-        lib.adamw_remainder(*addresses(tensors, lo), hi - lo, lo, *listed, found, cap, counts, done, consts, threads)
+        lib.adamw_remainder(*(native.ptr(t, lo) for t in tensors), hi - lo, lo, *listed, found, cap, counts, done, consts,
+                            threads)
     return captured(call, w.numel())
-
-
-def addresses(tensors, at: int) -> list:
-    """The addresses of element ``at`` of contiguous ``tensors`` (as `native.ptr`, without its object per tensor)."""
-    return [t.data_ptr() + at * t.element_size() for t in tensors] if at else [t.data_ptr() for t in tensors]
 
 
 class _Capture(threading.local):

@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from .fused_masters import _check, addresses, captured, stepped_table
+from . import native
+from .fused_masters import _check, captured, stepped_table
 from .fused_sgd import BUFFER, NEW_BUFFER, NO_BUFFER, Hyper, step_master_eager
 from .remainder import combine, set_side_table, side_table, split_
 
@@ -33,7 +34,7 @@ def step_native(lib, w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tens
     tensors, listed = (w, r, grad) if buf is None else (w, r, grad, buf), (table.data_ptr(), table.numel())
 
     def call(lo, hi, found, cap, counts, done, threads):
-        at = addresses(tensors, lo) + [None] * (buf is None)
+        at = [native.ptr(t, lo) for t in tensors] + [None] * (buf is None)
         lib.sgd_remainder(*at, hi - lo, lo, *listed, found, cap, counts, done, mode, flags, consts, threads)
     return captured(call, w.numel())
 

@@ -189,7 +189,7 @@ def _all_or_none(name: str, tensors: list) -> list:
 def _kernel_runs(steps: list, at: int) -> tuple:
     """``steps`` split by their element ``at``, the first element's index: ``(those where it is an
     int, the C kernel's case; the others, whose every element's index is a tensor)``."""
-    return [s for s in steps if isinstance(s[at], int)], [s for s in steps if not isinstance(s[at], int)]
+    return native.split(steps, lambda s: isinstance(s[at], int))
 
 
 def adamw_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> None:
