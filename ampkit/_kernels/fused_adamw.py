@@ -106,11 +106,12 @@ def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index:
 
 
 def steps_(steps: list, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> None:
-    """`step_` of each ``(w, grad, m, v, hyper, tensor, index)`` of ``steps``: those the kernel
-    ``lib`` reads where they are (``index`` an int; not empty) in one call, the others one at a time."""
-    run, others = native.split(steps, lambda s: lib is not None and isinstance(s[6], int) and s[0].numel() > 0
-                               and s[1].dtype == torch.bfloat16 and native.direct(s[:4]))
+    """`step_` of each ``(w, grad, m, v, hyper, tensor, first)`` of ``steps`` (``first`` an int, as
+    the op's): those the kernel ``lib`` reads where they are (not empty) in one call, the others
+    one at a time."""
+    run, others = native.split(steps, lambda s: lib is not None and s[0].numel() > 0 and s[1].dtype == torch.bfloat16
+                               and native.direct(s[:4]))
     if run:
         steps_native(lib, run, seed, step)
-    for w, grad, m, v, hyper, tensor, index in others:
-        step_(w, grad, m, v, hyper, seed, step, tensor, index, lib)
+    for w, grad, m, v, hyper, tensor, first in others:
+        step_(w, grad, m, v, hyper, seed, step, tensor, first, lib)

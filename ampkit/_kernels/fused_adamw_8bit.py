@@ -15,7 +15,7 @@ from .fused_adamw import Hyper, arithmetic
 from .ieee import sqrt
 from .rounding import round_counter_
 
-__all__ = ["BLOCK", "span", "step_", "steps_", "step_flat_", "restore_", "backups"]
+__all__ = ["BLOCK", "span", "step_", "steps_", "step_flat_", "restore_", "backups", "in_runs", "until_short"]
 
 BLOCK = 256
 
@@ -119,10 +119,17 @@ def in_runs(steps: list, lib: Optional[ctypes.CDLL], tensors: int, many: Callabl
     finite: each run of items whose first ``tensors`` tensors the kernel ``lib`` reads where they
     are (`native.direct`) in one call (``many(run)``: how many wrote), the others one at a time
     (``one(*item)``: whether it wrote). How many wrote."""
+    return until_short(steps, lambda s: lib is not None and native.direct(s[:tensors]), lambda direct, run: (
+        many(run) if direct else next((i for i, s in enumerate(run) if not one(*s)), len(run))))
+
+
+def until_short(items: list, key: Callable, step_run: Callable) -> int:
+    """``step_run(key, run)`` (how many of ``run`` wrote) of each run of ``items`` with one
+    ``key(item)``, in turn, until the first run that did not write all. How many wrote."""
     done = 0
-    for direct, run in itertools.groupby(steps, key=lambda s: lib is not None and native.direct(s[:tensors])):
+    for k, run in itertools.groupby(items, key=key):
         run = list(run)
-        wrote = many(run) if direct else next((i for i, s in enumerate(run) if not one(*s)), len(run))
+        wrote = step_run(k, run)
         done += wrote
         if wrote < len(run):
             break

@@ -141,17 +141,16 @@ def step_(w, grad, buf, hyper: Hyper, new: bool, seed: int, step: int, tensor: i
 
 
 def steps_(steps: list, hyper: Hyper, seed: int, step: int, lib: Optional[ctypes.CDLL] = None) -> None:
-    """`step_` of each ``(w, grad, buf, new, tensor, index)`` of ``steps`` (one param group's
-    ``hyper``): those the kernel ``lib`` reads where they are (``index`` an int; not empty) in one
-    call, the others one at a time (all checked first)."""
+    """`step_` of each ``(w, grad, buf, new, tensor, first)`` of ``steps`` (one param group's
+    ``hyper``; ``first`` an int, as the op's): those the kernel ``lib`` reads where they are (not
+    empty) in one call, the others one at a time (all checked first)."""
     for w, grad, buf, *_ in steps:
         _check_step(w, grad, buf)
-    run, others = native.split(steps, lambda s: lib is not None and isinstance(s[5], int) and s[0].numel() > 0
-                               and native.direct(s[:3]))
+    run, others = native.split(steps, lambda s: lib is not None and s[0].numel() > 0 and native.direct(s[:3]))
     if run:
         steps_native(lib, run, hyper, seed, step)
-    for w, grad, buf, new, tensor, index in others:
-        step_(w, grad, buf, hyper, new, seed, step, tensor, index, lib)
+    for w, grad, buf, new, tensor, first in others:
+        step_(w, grad, buf, hyper, new, seed, step, tensor, first, lib)
 
 
 def steps_master_(steps: list, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> None:

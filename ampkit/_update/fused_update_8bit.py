@@ -6,14 +6,13 @@ it overwrites, so a chunk with a non-finite weight is undone. ``AMPKIT_FUSED=0``
 optimizer's own step. Design notes: docs/design/update-engine.md.
 """
 import functools
-import itertools
 import math
 from typing import Callable, Optional
 
 import torch
 
 from .._kernels import ops
-from .._kernels.fused_adamw_8bit import BLOCK, backups, restore_, span
+from .._kernels.fused_adamw_8bit import BLOCK, backups, restore_, span, until_short
 from . import fused_update, state_8bit
 from .shards import global_index, like, local
 from .shared_blocks import whole_blocks
@@ -87,14 +86,7 @@ def by_group_until_bad(items, step_group: Callable) -> int:
     """`run_chunk`'s ``step_all`` over runs of ``items`` (``(group, ...)``) of one group:
     ``step_group(group, run)`` says how many of ``run`` wrote; the runs stop at the first that
     did not write all. How many wrote."""
-    wrote = 0
-    for _, run in itertools.groupby(items, key=lambda item: id(item[0])):
-        run = list(run)
-        done = step_group(run[0][0], run)
-        wrote += done
-        if done < len(run):
-            break
-    return wrote
+    return until_short(items, lambda item: id(item[0]), lambda _, run: step_group(run[0][0], run))
 
 
 def _start(optimizer, p: torch.Tensor, q: torch.Tensor) -> bool:
