@@ -46,6 +46,31 @@ def test_kernel_equals_the_eager_reference(lib, n, first, hyper, cap):
                                    lib, moved=(0, 2, 4))  # weights and both codes
 
 
+def spread(n: int, seed: int = 0) -> list:
+    """`tensors` whose gradients and moments span many decades within a block: codes of ``sqrt(v)``
+    in e4m4's linear run (below ``2**-14`` of the scale) and int8 codes below 1, where the
+    kernel rounds by other integer formulas than above."""
+    g = torch.Generator().manual_seed(seed)
+    decades = lambda k: torch.pow(10.0, -k * torch.rand(n, generator=g))  # noqa: E731
+    w, grad = torch.randn(n, generator=g).bfloat16(), (torch.randn(n, generator=g) * 1e-2 * decades(6)).bfloat16()
+    m, v = torch.randn(n, generator=g) * 1e-3 * decades(6), torch.rand(n, generator=g) * 1e-5 * decades(12)
+    mq, vq, ms, vs = torch.empty(n, dtype=torch.int8), torch.empty(n, dtype=torch.uint8), torch.empty(span(n, 0)), \
+        torch.empty(span(n, 0))
+    quantize_(mq, ms, m, None, BLOCK)
+    quantize_(vq, vs, v.sqrt(), None, BLOCK)
+    return [w, grad, mq, ms, vq, vs]
+
+
+@pytest.mark.parametrize("cap", [CAP, math.inf])
+@pytest.mark.parametrize("seed", range(4))
+def test_values_far_below_their_block_maximum_step_as_the_reference(lib, seed, cap):
+    t = spread(4096, seed)
+    root = dequantize(t[4], t[5], torch.empty(4096), BLOCK)
+    assert (root < 2.0 ** -14 * t[5].repeat_interleave(BLOCK)).float().mean() > 0.1  # the linear run is in use
+    assert_kernel_equals_reference(lambda: spread(4096, seed), lambda t, kernel: step_(*t, HYPERS[0], cap, 7, 3, 1, 0,
+                                                                                       lib=kernel), lib, moved=(0, 2, 4))
+
+
 def test_the_cap_binds_and_holds():
     """With a cap, every stored ``|m|`` is within ``cap * sqrt(v)`` of the stored values; without,
     some element of these tensors exceeds it (so the cap is what bounds them)."""

@@ -9,12 +9,13 @@
 #include "q8.h"
 
 /* The block's old codes to the backups, and m = code * scale, r = e4m4 code * scale (sqrt(v)) as floats
-   (copies in the loops: no memcpy calls on 256 bytes). */
+   (copies in the loops: no memcpy calls on 256 bytes; code -128 (NaN) tested on the float, a byte test). */
 static void adamw_8bit_load(const int8_t *restrict mq, float sm, const uint8_t *restrict vq, float sv, int k,
                             int8_t *restrict bm, uint8_t *restrict bv, float *restrict mb, float *restrict rb) {
     for (int j = 0; j < k; j++) {
         bm[j] = mq[j];
-        mb[j] = mq[j] == -128 ? NAN : (float)mq[j] * sm;
+        const float f = (float)mq[j];
+        mb[j] = f < -127.5f ? NAN : f * sm;
     }
     for (int j = 0; j < k; j++) {
         bv[j] = vq[j];
@@ -23,14 +24,15 @@ static void adamw_8bit_load(const int8_t *restrict mq, float sm, const uint8_t *
 }
 
 /* The AdamW step on the block's floats: the new weight (rounded with the word's low 16 bits; the old to
-   bw), m and sqrt(v) in place of the old; a flag, not a count, for a non-finite weight (32-bit lanes). */
+   bw), m and sqrt(v) in place of the old, the absmax of sqrt(v) up to Q8_TOP_E4M4 (as bits, in this loop);
+   whether a new weight is not finite, as the greatest exponent field (a max, not a compare and an or). */
 static uint32_t adamw_8bit_step(uint16_t *restrict w, const uint16_t *restrict grad, float *restrict mb,
                                 float *restrict rb, const uint32_t *restrict lo, const float *restrict c, int k,
-                                uint16_t *restrict bw) {
+                                uint16_t *restrict bw, uint32_t *restrict rmax) {
     const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7], c8 = c[8],
                 c9 = c[9];
     const int l2 = c1 != 0.0f;
-    uint32_t nbad = 0;
+    uint32_t most = 0, amax = 0;
     for (int j = 0; j < k; j++) {
         float g = widen(grad[j]) * c9;
         const uint16_t wj = w[j];
@@ -44,27 +46,32 @@ static uint32_t adamw_8bit_step(uint16_t *restrict w, const uint16_t *restrict g
         float r = sqrtf(v);
         float denom = r / c6 + c7;
         p = p - (m / denom) * c8;
-        nbad |= !isfinite(p);
+        const uint32_t ex = q8_u(p) & 0x7F800000u;
+        most = ex > most ? ex : most;
         w[j] = narrow(p, lo[j] & 0xFFFF);
         mb[j] = m; rb[j] = r;
+        const uint32_t u = q8_u(r) & 0x7FFFFFFFu & -(uint32_t)(r <= Q8_TOP_E4M4);  /* q8_absmax's: NaN 0 */
+        amax = u > amax ? u : amax;
     }
-    return nbad;
+    *rmax = amax;
+    return most == 0x7F800000u;
 }
 
-/* The e4m4 codes of sqrt(v) (rb) at scale sv into vc (int32 lanes, as the floats'), with the draws of
-   stream 2; each stored value times cap is the limit of m's code (lb), and m is 0 where it is infinite. */
+/* The e4m4 codes of sqrt(v) (rb) at scale sv into vc (int32 lanes, as the floats'), rounded up when the
+   24-bit draw d of stream 2 (bits 40..63) is below frac 2**24, in integers: where y >= 2**-14 the code is
+   y's bits >> 19 less 112 << 4, and d < frac 2**24 is d >> 5 < the 19 bits below (the carry of
+   bits + 0x7FFFF - (d >> 5)); below, y 2**18 is linear and y 2**42 < 2**28 exact (the ceil of int8's codes,
+   q8_int8). Each stored value times cap is the limit of m's code (lb), and m is 0 where it is infinite. */
 static void adamw_8bit_vcodes(int32_t *restrict vc, float *restrict lb, float *restrict mb,
                               const float *restrict rb, const uint32_t *restrict hi, q8_scale sv, float cap, int k) {
     for (int j = 0; j < k; j++) {
         float r = rb[j];
         int nan = !(r >= 0.0f), inf = r > Q8_TOP_E4M4;
         float y = (nan | inf) ? 0.0f : (r * sv.a) * sv.b;
-        uint32_t u = q8_u(y);
-        float lin = y * 0x1p18f, flin = floorf(lin);
-        int normal = y >= 0x1p-14f;
-        float low = normal ? (float)((int32_t)(u >> 19) - (112 << 4)) : flin;
-        float frac = normal ? (float)(u & 0x7FFFF) * 0x1p-19f : lin - flin;
-        int32_t code = (int32_t)(low + (float)(q8_draw2(hi[j]) < frac * 0x1p24f));  /* <= 253 */
+        const uint32_t u = q8_u(y), d = hi[j] >> 8;
+        const int32_t normal = (int32_t)((u + 0x7FFFFu - (d >> 5)) >> 19) - (112 << 4);
+        const int32_t small = (int32_t)(((uint32_t)(int32_t)ceilf(y * 0x1p42f) + 0xFFFFFFu - d) >> 24);
+        const int32_t code = y >= 0x1p-14f ? normal : small;  /* <= 253 */
         /* code's value here, not q8_e4m4 of the code below: gcc makes selects on a selected code branches */
         float val = code >= 16 ? q8_f((uint32_t)(code + (112 << 4)) << 19) : (float)code * 0x1p-18f;
         val = nan ? NAN : (inf ? INFINITY : val);
@@ -85,11 +92,12 @@ static void adamw_8bit_block(uint16_t *restrict w, const uint16_t *restrict grad
     int32_t vc[Q8_BLOCK];
     q8_words(lo, hi, key, first, k);
     adamw_8bit_load(mq, *ms, vq, *vs, k, bm, bv, mb, rb);
-    const uint32_t nbad = adamw_8bit_step(w, grad, mb, rb, lo, c, k, bw);
-    const q8_scale sv = q8_scale_of(q8_scale_exponent(q8_absmax(rb, k, Q8_TOP_E4M4), 1, 0.90625f));
+    uint32_t rmax;
+    const uint32_t nbad = adamw_8bit_step(w, grad, mb, rb, lo, c, k, bw, &rmax);
+    const q8_scale sv = q8_scale_of(q8_scale_exponent(rmax, 1, 0.90625f));
     adamw_8bit_vcodes(vc, lb, mb, rb, hi, sv, cap, k);
     q8_narrow8(vq, vc, k);
-    const q8_scale sm1 = q8_scale_of(q8_scale_exponent(q8_absmax(mb, k, INFINITY), 7, 0.9921875f));
+    const q8_scale sm1 = q8_scale_of(q8_scale_exponent(q8_absmax(mb, k), 7, 0.9921875f));
     q8_int8(mq, mb, lb, lo, hi, sm1, k);
     *ms = sm1.s; *vs = sv.s;
     *bad += nbad;

@@ -61,10 +61,10 @@ static inline q8_scale q8_scale_of(int e) {
     q8_scale q = {q8_pow2(e), q8_pow2(e >= -126 ? -e : 126), e >= -126 ? 1.0f : q8_pow2(-e - 126)};
     return q;
 }
-static inline uint32_t q8_absmax(const float *restrict x, int k, float top) {  /* of the x in [-top, top], as bits */
+static inline uint32_t q8_absmax(const float *restrict x, int k) {  /* of the x that are not NaN, as bits */
     uint32_t most = 0;
     for (int j = 0; j < k; j++) {
-        uint32_t u = q8_u(x[j]) & 0x7FFFFFFFu & -(uint32_t)(fabsf(x[j]) <= top);  /* NaN: 0 */
+        uint32_t u = q8_u(x[j]) & 0x7FFFFFFFu & -(uint32_t)(fabsf(x[j]) <= INFINITY);  /* NaN: 0 */
         most = u > most ? u : most;
     }
     return most;
@@ -92,31 +92,31 @@ static inline void q8_halves(uint32_t *restrict u, uint64_t key, int64_t first, 
     for (int64_t j = 0; j < np; j++, z += GAMMA) w[j] = mix64(z);
     memcpy(u, (const uint32_t *)w + (first & 1), 4 * (size_t)k);  /* element first's half first */
 }
-static inline float q8_draw1(uint32_t lo, uint32_t hi) { return (float)(int32_t)((lo >> 16) | ((hi & 0xFF) << 16)); }
-static inline float q8_draw2(uint32_t hi) { return (float)(int32_t)(hi >> 8); }
 
 /* The low bytes of k int32 codes (in [-128, 255]): a loop of its own vectorizes as packs. */
 static inline void q8_narrow8(uint8_t *restrict q, const int32_t *restrict c, int k) {
     for (int j = 0; j < k; j++) q[j] = (uint8_t)c[j];
 }
-/* Int8 codes of the block's mb (non-finite: -128) at scale sc, rounded up when draw < frac 2**24, each
-   magnitude at most floor(limit / s) (lb; NULL or NaN: none). Two loops of one lane width each (float and
-   int32 codes, then int32 -> int8): one loop of both would run 64 lanes a step, four float vectors of each. */
+/* Int8 codes of the block's mb (non-finite: -128) at scale sc, rounded up when the 24-bit draw d (stream 1:
+   bits 16..39 of the word) is below frac(y) 2**24 (y = |m| / s <= 127), each magnitude at most floor(limit / s)
+   (lb: >= 0, NaN for none). In integers: Y = y 2**24 is exact and below 2**31, and floor(y) + (d < frac(y)
+   2**24) is (ceil(Y) + 0xFFFFFF - d) >> 24 (d an integer: d < F iff d < ceil(F)); the sign applied as
+   (mag ^ -1) + 1 (no compares). Two loops of one lane width each (float and int32 codes, then int32 -> int8):
+   one loop of both would run 64 lanes a step, four float vectors of each. */
 static inline void q8_int8(int8_t *restrict q, const float *restrict mb, const float *restrict lb,
                            const uint32_t *restrict lo, const uint32_t *restrict hi, q8_scale sc, int k) {
     int32_t qc[Q8_BLOCK];
     for (int j = 0; j < k; j++) {
-        float m = mb[j];
-        int fin = isfinite(m);
-        float y = fin ? (fabsf(m) * sc.a) * sc.b : 0.0f;
-        float low = floorf(y), frac = y - low;
-        low = low + (float)(q8_draw1(lo[j], hi[j]) < frac * 0x1p24f);
-        if (lb) {
-            float lim = floorf((lb[j] * sc.a) * sc.b);
-            lim = isnan(lim) ? INFINITY : lim;
-            low = lim < low ? lim : low;
-        }
-        qc[j] = fin ? (int32_t)copysignf(low, m) : -128;
+        const float m = mb[j];
+        const int fin = isfinite(m);
+        const float y = fin ? (fabsf(m) * sc.a) * sc.b : 0.0f;
+        const uint32_t up = 0xFFFFFFu - ((lo[j] >> 16) | ((hi[j] & 0xFF) << 16));
+        int32_t mag = (int32_t)(((uint32_t)(int32_t)ceilf(y * 0x1p24f) + up) >> 24);
+        const float lim = floorf((lb[j] * sc.a) * sc.b);
+        const int32_t most = lim < 128.0f ? (int32_t)lim : 128;  /* NaN: none */
+        mag = most < mag ? most : mag;
+        const int32_t sg = -(int32_t)(q8_u(m) >> 31);
+        qc[j] = fin ? (mag ^ sg) - sg : -128;
     }
     q8_narrow8((uint8_t *)q, qc, k);
 }

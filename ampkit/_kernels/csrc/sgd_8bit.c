@@ -8,11 +8,9 @@
 #include "q8.h"
 #include "sgd.h"
 
-/* q8_int8's codes (no limit), its bits, with integer rounding: y = |m| / s as there (<= 127) and Y = y 2**24
-   (exact, < 2**31); with d the buffer's 16-bit draw (bits 16..31 of u) times 256, a 24-bit draw whose low 8
-   bits are 0, floor(y) + (d < frac(y) 2**24) is (ceil(Y) + 0xFFFFFF - d) >> 24 (d an integer: d < F iff
-   d < ceil(F)); the sign applied as (mag ^ -1) + 1 (no compares). The old code to the backup bb in the same
-   loop: the codes stored as bytes here (4 float vectors a step) beat an int32 scratch and a narrowing loop. */
+/* q8_int8's codes without a limit, in its integers, with d the buffer's 16-bit draw (bits 16..31 of u) times
+   256: a 24-bit draw whose low 8 bits are 0. The old code to the backup bb in the same loop: the codes stored
+   as bytes here (4 float vectors a step) beat an int32 scratch and a narrowing loop. */
 static void sgd_8bit_codes(int8_t *restrict q, const float *restrict mb, const uint32_t *restrict u, q8_scale sc,
                            int k, int8_t *restrict bb) {
     for (int j = 0; j < k; j++) {
