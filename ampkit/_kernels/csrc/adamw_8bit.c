@@ -68,12 +68,12 @@ static void adamw_8bit_vcodes(int32_t *restrict vc, float *restrict lb, float *r
         float r = rb[j];
         int nan = !(r >= 0.0f), inf = r > Q8_TOP_E4M4;
         float y = (nan | inf) ? 0.0f : (r * sv.a) * sv.b;
-        const uint32_t u = q8_u(y), d = hi[j] >> 8;
-        const int32_t normal = (int32_t)((u + 0x7FFFFu - (d >> 5)) >> 19) - (112 << 4);
-        const int32_t small = (int32_t)(((uint32_t)(int32_t)ceilf(y * 0x1p42f) + 0xFFFFFFu - d) >> 24);
-        const int32_t code = y >= 0x1p-14f ? normal : small;  /* <= 253 */
-        /* code's value here, not q8_e4m4 of the code below: gcc makes selects on a selected code branches */
-        float val = code >= 16 ? q8_f((uint32_t)(code + (112 << 4)) << 19) : (float)code * 0x1p-18f;
+        const uint32_t d = hi[j] >> 8, t = q8_u(y) + 0x7FFFFu - (d >> 5);  /* its bits >> 19: the code + (112 << 4) */
+        const float lin = (y < 0x1p-14f ? y : 0x1p-14f) * 0x1p42f;  /* <= 2**28: no conversion out of range */
+        const int32_t small = (int32_t)(((uint32_t)(int32_t)ceilf(lin) + 0xFFFFFFu - d) >> 24);
+        const int normal = y >= 0x1p-14f;
+        const int32_t code = normal ? (int32_t)(t >> 19) - (112 << 4) : small;  /* <= 253 */
+        float val = normal ? q8_f(t & ~0x7FFFFu) : (float)small * 0x1p-18f;  /* code 16: 2**-14 either way */
         val = nan ? NAN : (inf ? INFINITY : val);
         vc[j] = nan ? 254 : (inf ? 255 : code);
         float limit = (val * sv.s) * cap;
