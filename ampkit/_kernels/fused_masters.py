@@ -12,7 +12,7 @@ from . import native
 from .fused_adamw import Hyper, arithmetic
 from .remainder import combine, set_side_table, side_table, split_
 
-__all__ = ["step_master_", "steps_master_", "step_remainder_", "step_remainder_table_"]
+__all__ = ["step_master_", "steps_master_", "step_remainder_", "step_remainder_table_", "steps_remainder_table_"]
 
 RBLOCK = 512  # csrc/remainder.h's block: a kernel call leaves room for one block's candidates per range
 
@@ -90,13 +90,32 @@ def step_remainder_eager(w, r, grad, m, v, hyper: Hyper) -> None:
 def step_remainder_native(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tensor) -> torch.Tensor:
     """`step_remainder_eager` in one pass of the C kernel (contiguous CPU tensors, ``table``
     ascending); returns the new side table."""
+    return captured(_remainder_call(lib, w, r, grad, m, v, hyper, table), w.numel())
+
+
+def steps_remainder_native(lib, steps: list) -> list:
+    """`step_remainder_native` of each ``(w, r, grad, m, v, hyper, table)`` of ``steps`` (not
+    empty) in one call of the C kernel (``adamw_remainder_many``): their new side tables."""
+    consts = []
+    for *_, hyper, _ in steps:
+        consts += hyper.consts()
+
+    def call_many(plans, found, counts, done):
+        rows = [[w.data_ptr(), r.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), table.data_ptr(),
+                 table.numel(), w.numel(), *plan] for (w, r, grad, m, v, _, table), plan in zip(steps, plans)]
+        native.call_rows(lib.adamw_remainder_many, rows, (ctypes.c_float * len(consts))(*consts), found, counts, done)
+    return captured_many(call_many, lambda i: _remainder_call(lib, *steps[i]), [s[0].numel() for s in steps])
+
+
+def _remainder_call(lib, w, r, grad, m, v, hyper: Hyper, table: torch.Tensor):
+    """`captured`'s ``call`` of one remainder step."""
     consts = (ctypes.c_float * 10)(*hyper.consts())
     tensors, listed = (w, r, grad, m, v), (table.data_ptr(), table.numel())
 
     def call(lo, hi, found, cap, counts, done, threads):
         lib.adamw_remainder(*(native.ptr(t, lo) for t in tensors), hi - lo, lo, *listed, found, cap, counts, done, consts,
                             threads)
-    return captured(call, w.numel())
+    return call
 
 
 class _Capture(threading.local):
@@ -106,15 +125,23 @@ class _Capture(threading.local):
     def __init__(self):
         self.found, self.counts, self.done = torch.empty(0, dtype=torch.int64), None, None
 
-    def buffers(self, k: int, cap: int):
-        if self.found.numel() < k * cap:
-            self.found = torch.empty(k * cap, dtype=torch.int64)
-        if self.counts is None or len(self.counts) < k:
-            self.counts, self.done = (ctypes.c_int64 * k)(), (ctypes.c_int64 * k)()
+    def buffers(self, entries: int, ranges: int):
+        """Room for ``entries`` candidates and the counts of ``ranges`` ranges."""
+        if self.found.numel() < entries:
+            self.found = torch.empty(entries, dtype=torch.int64)
+        if self.counts is None or len(self.counts) < ranges:
+            self.counts, self.done = (ctypes.c_int64 * ranges)(), (ctypes.c_int64 * ranges)()
         return self.found, self.counts, self.done
 
 
 _CAPTURE = _Capture()
+
+
+def _room(n: int) -> tuple:
+    """A remainder kernel call over ``n`` elements: its threads (ranges), and each range's room
+    for entries (one block's candidates more than the entries it can expect)."""
+    k = native.threads(n)
+    return k, RBLOCK + 64 + n // k // 4096
 
 
 def captured(call, n: int) -> torch.Tensor:
@@ -123,19 +150,59 @@ def captured(call, n: int) -> torch.Tensor:
     kernel on ``[lo, hi)`` in ``threads`` ranges, range ``t``'s entries at ``found + t * cap``
     (``counts[t]`` of them), ``done[t]`` its elements done (fewer where its buffer filled up:
     the candidates are rare, and a range goes on from where it stopped)."""
-    parts, todo = [], [(0, n)]
+    parts = []
+    _go_on(call, parts, [(0, n)])
+    return _joined(parts)
+
+
+def captured_many(call_many, call_of, sizes: list) -> list:
+    """`captured` of several whole tensors (``sizes``: their elements) in one kernel call:
+    ``call_many(plans, found, counts, done)`` runs tensor ``i`` with ``plans[i]`` (its ranges,
+    each one's room, its first entry in ``found`` and its first range in ``counts`` and
+    ``done``); ``call_of(i)``, its ``call`` for `captured`, goes on where a range filled up."""
+    plans, at, first = [], 0, 0
+    for n in sizes:
+        k, cap = _room(n)
+        plans.append((k, cap, at, first))
+        at, first = at + k * cap, first + k
+    found, counts, done = _CAPTURE.buffers(at, first)
+    call_many(plans, found.data_ptr(), counts, done)
+    runs = []
+    for n, (k, cap, at, first) in zip(sizes, plans):
+        parts, todo = [], []
+        _collect(0, n, (k, cap, at, first), found, counts, done, parts, todo)
+        runs.append((parts, todo))
+    for i, (parts, todo) in enumerate(runs):  # only now: these calls reuse the buffers
+        if todo:
+            _go_on(call_of(i), parts, todo)
+    return [_joined(parts) for parts, _ in runs]
+
+
+def _go_on(call, parts: list, todo: list) -> None:
+    """`captured`'s calls over the ranges ``todo`` until none is left, their entries into ``parts``."""
     while todo:
         lo, hi = todo.pop()
-        k = native.threads(hi - lo)
-        cap = RBLOCK + 64 + (hi - lo) // k // 4096
-        found, counts, done = _CAPTURE.buffers(k, cap)
+        k, cap = _room(hi - lo)
+        found, counts, done = _CAPTURE.buffers(k * cap, k)
         call(lo, hi, found.data_ptr(), cap, counts, done, k)
-        for t in range(k):
-            start, end = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k
-            if counts[t]:  # a copy: the table owns its entries, the buffer is the next call's
-                parts.append((start, found[t * cap:t * cap + counts[t]].clone()))
-            if start + done[t] < end:
-                todo.append((start + done[t], end))
+        _collect(lo, hi, (k, cap, 0, 0), found, counts, done, parts, todo)
+
+
+def _collect(lo: int, hi: int, plan: tuple, found, counts, done, parts: list, todo: list) -> None:
+    """The ranges of a kernel call over ``[lo, hi)`` (``plan``: their number, each one's room, the
+    first entry and the first range): each one's entries into ``parts`` (a copy: the table owns
+    its entries, the buffer is the next call's), what it left undone into ``todo``."""
+    k, cap, at, first = plan
+    for t in range(k):
+        start, end, c = lo + (hi - lo) * t // k, lo + (hi - lo) * (t + 1) // k, counts[first + t]
+        if c:
+            parts.append((start, found[at + t * cap:at + t * cap + c].clone()))
+        if start + done[first + t] < end:
+            todo.append((start + done[first + t], end))
+
+
+def _joined(parts: list) -> torch.Tensor:
+    """The side table of ``(start, entries)`` parts, in order of their start."""
     if len(parts) < 2:
         return parts[0][1] if parts else torch.empty(0, dtype=torch.int64)
     return torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
@@ -157,6 +224,31 @@ def step_remainder_table_(w, r, grad, m, v, hyper: Hyper, table: torch.Tensor,
            ["w", "r", "grad", "m", "v"])
     return stepped_table(tensors, table, lib, [0, 1, 3, 4], lambda: step_remainder_eager(w, r, grad, m, v, hyper),
                          lambda flat, table: step_remainder_native(lib, *flat, hyper, table))
+
+
+def steps_remainder_table_(steps: list, lib: Optional[ctypes.CDLL] = None) -> list:
+    """`step_remainder_table_` of each ``(w, r, grad, m, v, hyper, table)`` of ``steps``: those
+    the kernel ``lib`` reads where they are (not empty) in one call, the others one at a time
+    (all checked first); the new tables, in order."""
+    for w, r, grad, m, v, *_ in steps:
+        _check([w, r, grad, m, v], [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32],
+               "step_remainder_", ["w", "r", "grad", "m", "v"])
+    return in_one_call(steps, lib, 5, steps_remainder_native,
+                       lambda w, r, grad, m, v, hyper, table: step_remainder_table_(w, r, grad, m, v, hyper, table, lib))
+
+
+def in_one_call(steps: list, lib: Optional[ctypes.CDLL], tensors: int, native_steps, one) -> list:
+    """The new side tables of remainder ``steps`` (their first ``tensors`` items the tensors, ``w``
+    first, None where absent; the last the old table): ``native_steps(lib, run)`` for the
+    ``run`` of those the kernel reads where they are (not empty; tables ascending), ``one(*step)``
+    for each other; in order."""
+    direct = [i for i, s in enumerate(steps) if lib is not None and s[0].numel() > 0 and native.direct(s[:tensors])]
+    tables = [None] * len(steps)
+    if direct:
+        run = [(*steps[i][:-1], ascending(steps[i][-1]).contiguous()) for i in direct]
+        for i, table in zip(direct, native_steps(lib, run)):
+            tables[i] = table
+    return [one(*s) if table is None else table for s, table in zip(steps, tables)]
 
 
 def stepped_table(tensors: list, table: torch.Tensor, lib: Optional[ctypes.CDLL], written: list, eager_step,

@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 
 from . import native
-from .fused_masters import _check, captured, stepped_table
+from .fused_masters import _check, captured, captured_many, in_one_call, stepped_table
 from .fused_sgd import BUFFER, NEW_BUFFER, NO_BUFFER, Hyper, step_master_eager
 from .remainder import combine, set_side_table, side_table, split_
 
-__all__ = ["step_", "step_table_"]
+__all__ = ["step_", "step_table_", "steps_table_"]
 
 
 def step_eager(w, r, grad, buf, hyper: Hyper, new: bool) -> None:
@@ -29,14 +29,38 @@ def step_eager(w, r, grad, buf, hyper: Hyper, new: bool) -> None:
 def step_native(lib, w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tensor) -> torch.Tensor:
     """`step_eager` in one pass of the C kernel (contiguous CPU tensors, ``table`` ascending);
     returns the new side table."""
-    consts, flags = (ctypes.c_float * 4)(*hyper.consts()), hyper.flags()
-    mode = NO_BUFFER if buf is None else NEW_BUFFER if new else BUFFER
+    return captured(_call(lib, w, r, grad, buf, hyper, new, table), w.numel())
+
+
+def steps_native(lib, steps: list, hyper: Hyper) -> list:
+    """`step_native` of each ``(w, r, grad, buf, new, table)`` of ``steps`` (not empty; ``buf``
+    None for all or none) in one call of the C kernel (``sgd_remainder_many``): their new side
+    tables."""
+    def call_many(plans, found, counts, done):
+        rows = [[w.data_ptr(), r.data_ptr(), grad.data_ptr(), native.address(buf), table.data_ptr(), table.numel(),
+                 w.numel(), *plan, _mode(buf, new)] for (w, r, grad, buf, new, table), plan in zip(steps, plans)]
+        native.call_rows(lib.sgd_remainder_many, rows, hyper.flags(), (ctypes.c_float * 4)(*hyper.consts()), found,
+                         counts, done)
+
+    def call_of(i):
+        w, r, grad, buf, new, table = steps[i]
+        return _call(lib, w, r, grad, buf, hyper, new, table)
+    return captured_many(call_many, call_of, [s[0].numel() for s in steps])
+
+
+def _mode(buf, new: bool) -> int:
+    return NO_BUFFER if buf is None else NEW_BUFFER if new else BUFFER
+
+
+def _call(lib, w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tensor):
+    """`captured`'s ``call`` of one step."""
+    consts, flags, mode = (ctypes.c_float * 4)(*hyper.consts()), hyper.flags(), _mode(buf, new)
     tensors, listed = (w, r, grad) if buf is None else (w, r, grad, buf), (table.data_ptr(), table.numel())
 
     def call(lo, hi, found, cap, counts, done, threads):
         at = [native.ptr(t, lo) for t in tensors] + [None] * (buf is None)
         lib.sgd_remainder(*at, hi - lo, lo, *listed, found, cap, counts, done, mode, flags, consts, threads)
-    return captured(call, w.numel())
+    return call
 
 
 def step_(w, r, grad, buf, hyper: Hyper, new: bool, lib: Optional[ctypes.CDLL] = None) -> None:
@@ -45,6 +69,17 @@ def step_(w, r, grad, buf, hyper: Hyper, new: bool, lib: Optional[ctypes.CDLL] =
     0, written from the gradient when ``new``), in place: with the kernel ``lib`` on CPU, else
     `step_eager`; the same bits either way."""
     set_side_table(r, step_table_(w, r, grad, buf, hyper, new, side_table(r), lib))
+
+
+def steps_table_(steps: list, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -> list:
+    """`step_table_` of each ``(w, r, grad, buf, new, table)`` of ``steps`` (one group: ``buf``
+    None for all or none): those the kernel ``lib`` reads where they are (not empty) in one call,
+    the others one at a time (all checked first); the new tables, in order."""
+    for w, r, grad, buf, *_ in steps:
+        _check([w, r, grad] + ([] if buf is None else [buf]), [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32],
+               "sgd remainder step_", ["w", "r", "grad", "buf"])
+    return in_one_call(steps, lib, 4, lambda lib, run: steps_native(lib, run, hyper),
+                       lambda w, r, grad, buf, new, table: step_table_(w, r, grad, buf, hyper, new, table, lib))
 
 
 def step_table_(w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tensor,

@@ -73,13 +73,12 @@ _declare("adamw_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)
 
 
 def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> tuple:
-    """The remainder masters' step (`fused_masters.step_remainder_`) of each ``(w[i], r[i])`` with
+    """The remainder masters' step (`fused_masters.steps_remainder_table_`) of each ``(w[i], r[i])`` with
     ``r[i]``'s side table ``table[i]`` (``count``, ``hyper``, ``flags`` as `adamw_bf16`'s); returns
     the new side tables (`_tables`: arguments and results, not ``r``'s attribute, as a traced op may
     be handed copies of its arguments). One call steps a param group's tensors."""
-    lib = native.library()
-    return _tables([fused_masters.step_remainder_table_(w[i], r[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]),
-                                                         table[i], lib) for i in range(len(w))])
+    return _tables(fused_masters.steps_remainder_table_([(w[i], r[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]),
+                                                          table[i]) for i in range(len(w))], native.library()))
 
 
 def _tables(tables: list) -> tuple:
@@ -151,12 +150,11 @@ _declare("sgd_master(Tensor(a!)[] x, Tensor[] grad, Tensor(b!)[] buf, Tensor(c!)
 
 
 def sgd_remainder(w, r, grad, buf, table, hyper, flags, new) -> tuple:
-    """The remainder masters' SGD step (`fused_sgd_remainder.step_table_`) of each ``(w[i], r[i])``
+    """The remainder masters' SGD step (`fused_sgd_remainder.steps_table_`) of each ``(w[i], r[i])``
     with ``r[i]``'s side table ``table[i]`` (``buf`` as `sgd_bf16`'s); returns the new side tables
     (as `adamw_remainder`). One call steps a param group's tensors."""
-    lib, h = native.library(), _sgd(hyper, flags)
-    return _tables([fused_sgd_remainder.step_table_(w[i], r[i], grad[i], buf[i] if buf else None, h, new[i], table[i], lib)
-                    for i in range(len(w))])
+    return _tables(fused_sgd_remainder.steps_table_([(w[i], r[i], grad[i], buf[i] if buf else None, new[i], table[i])
+                                                     for i in range(len(w))], _sgd(hyper, flags), native.library()))
 
 
 _declare("sgd_remainder(Tensor(a!)[] w, Tensor(b!)[] r, Tensor[] grad, Tensor(c!)[] buf, Tensor[] table, "

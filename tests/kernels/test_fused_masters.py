@@ -238,3 +238,26 @@ def test_a_groups_remainder_masters_in_one_op_step_as_each_alone(lib):
     assert all(same(r, g) and torch.equal(side_table(r[1]), side_table(g[1])) for r, g in zip(ref, got))
     for table in (side_table(got[0][1]), side_table(got[3][1])):  # two tables: each not a view of both
         assert table.numel() > 0 and table.untyped_storage().nbytes() == 8 * table.numel()
+
+
+def test_a_group_whose_buffers_fill_steps_in_one_op_as_each_alone(lib):
+    """Edge-case masters (3 of 12 listed: the candidate buffers fill and the calls resume) beside
+    others in one op call, on two threads: each tensor's bits and table as the reference gives
+    them alone (lr = 0: the listed masters stay listed)."""
+    from ampkit._kernels import ops
+
+    hyper = Hyper(0.0, 0.9, 0.999, 1e-8, 0.01, True, False, 2.0)
+    sizes = [3 * native.MIN_PER_THREAD + 1, 1001, 3 * RBLOCK + 7]
+    xs = [patterns(sizes[0]), masters(sizes[1], 1)[0], patterns(sizes[2])]
+    ref = [held(x, torch.full((n,), 1e-3), torch.full((n,), 1e-4), torch.full((n,), 1e-6)) for x, n in zip(xs, sizes)]
+    got = [clone(ts) for ts in ref]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ops.remainder_steps_([(*ts, torch.tensor(3.0)) for ts in got], hyper)
+    finally:
+        torch.set_num_threads(threads)
+    for ts in ref:
+        step_remainder_(*ts, dataclasses.replace(hyper, step=3), lib=None)
+    assert all(same(r, g) and torch.equal(side_table(r[1]), side_table(g[1])) for r, g in zip(ref, got))
+    assert side_table(got[0][1]).numel() > sizes[0] // 12 and side_table(got[2][1]).numel() > sizes[2] // 12

@@ -199,3 +199,25 @@ def test_a_groups_remainder_masters_in_one_op_step_as_each_alone(lib, hyper):
     assert all(same(r, g) and tables_equal(r, g) for r, g in zip(ref, got))
     for table in (side_table(got[0][1]), side_table(got[3][1])):  # two tables: each not a view of both
         assert table.numel() > 0 and table.untyped_storage().nbytes() == 8 * table.numel()
+
+
+def test_a_group_whose_buffers_fill_steps_in_one_op_as_each_alone(lib):
+    """Edge-case masters (their buffers fill, the calls resume) beside others in one op call, on
+    two threads: each tensor's bits and table as the reference gives them alone."""
+    from ampkit._kernels import ops
+
+    hyper = Hyper(0.0, 0.9, 0.0, 0.0, False, False)
+    sizes = [3 * native.MIN_PER_THREAD + 1, 1001, 3 * RBLOCK + 7]
+    xs = [patterns(sizes[0]), masters(sizes[1], hyper, 1)[0], patterns(sizes[2])]
+    ref = [held(x, torch.full((n,), 1e-3), torch.full((n,), 1e-4)) for x, n in zip(xs, sizes)]
+    got = [clone(ts) for ts in ref]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ops.sgd_remainder_steps_([(*ts, False) for ts in got], hyper)
+    finally:
+        torch.set_num_threads(threads)
+    for ts in ref:
+        step_(*ts, hyper, False, lib=None)
+    assert all(same(r, g) and tables_equal(r, g) for r, g in zip(ref, got))
+    assert side_table(got[0][1]).numel() > sizes[0] // 12 and side_table(got[2][1]).numel() > sizes[2] // 12

@@ -71,3 +71,17 @@ void adamw_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *ms, f
     EACH_RANGE(n, lo, hi, done[t_] = adamw_remainder_range(w + lo, r + lo, grad + lo, ms + lo, vs + lo, hi - lo, first + lo,
                                                         table, ntable, found + t_ * cap, cap, nfound + t_, c);)
 }
+
+/* adamw_remainder of count whole tensors of one param group in turn (one call: the ctypes cost once, not per
+   tensor). rows: each tensor's 12 words (the addresses of w, r, grad, ms, vs and its side table; ntable, n,
+   threads, cap, its ranges' first entry in found and first index in nfound and done); consts: its 10 step
+   constants. Each range's entries, counts and elements done as adamw_remainder's. */
+void adamw_remainder_many(int64_t count, const uint64_t *rows, const float *consts, int64_t *found, int64_t *nfound,
+                          int64_t *done) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *q = rows + 12 * i;
+        adamw_remainder(AT(uint16_t, q[0]), AT(int16_t, q[1]), AT(const uint16_t, q[2]), AT(float, q[3]), AT(float, q[4]),
+                        (int64_t)q[7], 0, AT(const int64_t, q[5]), (int64_t)q[6], found + q[10], (int64_t)q[9],
+                        nfound + q[11], done + q[11], consts + 10 * i, (int)q[8]);
+    }
+}

@@ -41,3 +41,16 @@ void sgd_remainder(uint16_t *w, int16_t *r, const uint16_t *grad, float *bufs, i
                                                          first + lo, table, ntable, found + t_ * cap, cap, nfound + t_,
                                                          mode, flags, c);)
 }
+
+/* sgd_remainder of count whole tensors of one param group (flags, c) in turn, as adamw_remainder_many. rows: each
+   tensor's 12 words (the addresses of w, r, grad, bufs (0: none) and its side table; ntable, n, threads, cap, its
+   ranges' first entry in found and first index in nfound and done, its mode). */
+void sgd_remainder_many(int64_t count, const uint64_t *rows, int flags, const float *c, int64_t *found, int64_t *nfound,
+                        int64_t *done) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint64_t *q = rows + 12 * i;
+        sgd_remainder(AT(uint16_t, q[0]), AT(int16_t, q[1]), AT(const uint16_t, q[2]), AT(float, q[3]), (int64_t)q[6], 0,
+                      AT(const int64_t, q[4]), (int64_t)q[5], found + q[9], (int64_t)q[8], nfound + q[10], done + q[10],
+                      (int)q[11], flags, c, (int)q[7]);
+    }
+}

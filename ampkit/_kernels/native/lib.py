@@ -20,11 +20,13 @@ SYMBOLS = {  # name: (result, arguments), in the order of the C definitions (csr
     "adamw_master_many": (None, (c_int64, ROWS, CONSTS)),
     "adamw_remainder": (None, (DATA, DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS,
                                COUNTS, CONSTS, c_int)),
+    "adamw_remainder_many": (None, (c_int64, ROWS, CONSTS, DATA, COUNTS, COUNTS)),
     "sgd_master_many": (None, (c_int64, ROWS, c_int, CONSTS)),
     "sgd_bf16_many": (None, (c_int64, ROWS, c_int, CONSTS)),
     "sgd_8bit_many": (c_int64, (c_int64, ROWS, c_int, CONSTS)),
     "sgd_remainder": (None, (DATA, DATA, DATA, DATA, c_int64, c_int64, DATA, c_int64, DATA, c_int64, COUNTS, COUNTS, c_int,
                              c_int, CONSTS, c_int)),
+    "sgd_remainder_many": (None, (c_int64, ROWS, c_int, CONSTS, DATA, COUNTS, COUNTS)),
     "any_nonfinite": (c_int, (DATA, c_int64, c_int, c_uint32, c_int)),
     "widen_scaled": (c_int, (DATA, DATA, c_int64, c_int, c_float, c_int)),
 }
