@@ -135,6 +135,7 @@ class _Capture(threading.local):
 
 
 _CAPTURE = _Capture()
+_NONE = torch.empty(0, dtype=torch.int64)  # an empty side table (no entries to write: shared)
 
 
 def _room(n: int) -> tuple:
@@ -204,7 +205,7 @@ def _collect(lo: int, hi: int, plan: tuple, found, counts, done, parts: list, to
 def _joined(parts: list) -> torch.Tensor:
     """The side table of ``(start, entries)`` parts, in order of their start."""
     if len(parts) < 2:
-        return parts[0][1] if parts else torch.empty(0, dtype=torch.int64)
+        return parts[0][1] if parts else _NONE
     return torch.cat([p for _, p in sorted(parts, key=lambda part: part[0])])
 
 

@@ -224,6 +224,10 @@ def _set_tables(remainders: list, result: tuple) -> None:
     """Each of ``remainders`` its new side table from a remainder op's ``result`` (`_tables`), a
     copy where it has entries: a table owns its entries, not the others'."""
     entries, sizes = result
+    if not entries.numel():  # the usual step: no table anywhere, no views to cut
+        for r in remainders:
+            set_side_table(r, entries)
+        return
     for r, table in zip(remainders, entries.split(sizes.tolist())):
         set_side_table(r, table.clone() if table.numel() else table)
 
