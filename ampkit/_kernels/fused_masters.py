@@ -147,8 +147,9 @@ def _room(n: int) -> tuple:
 
 def captured(call, n: int) -> torch.Tensor:
     """The side table a remainder kernel finds over elements ``[0, n)``, a tensor of its own
-    (empty when there are none). ``call(lo, hi, found, cap, counts, done, threads)`` runs the
-    kernel on ``[lo, hi)`` in ``threads`` ranges, range ``t``'s entries at ``found + t * cap``
+    (when there are none, an empty one that every such call shares: nothing writes to it).
+    ``call(lo, hi, found, cap, counts, done, threads)`` runs the kernel on ``[lo, hi)`` in
+    ``threads`` ranges, range ``t``'s entries at ``found + t * cap``
     (``counts[t]`` of them), ``done[t]`` its elements done (fewer where its buffer filled up:
     the candidates are rare, and a range goes on from where it stopped)."""
     parts = []
