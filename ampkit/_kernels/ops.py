@@ -84,7 +84,10 @@ def adamw_remainder(w, r, grad, m, v, table, count, hyper, flags) -> tuple:
 def _tables(tables: list) -> tuple:
     """A remainder op's result: its new side tables concatenated, and each one's size (two int64
     tensors: torch cannot functionalize an op that returns a list of them)."""
-    return torch.cat(tables), torch.tensor([t.numel() for t in tables], dtype=torch.int64)
+    sizes = [t.numel() for t in tables]
+    if not any(sizes):  # the usual step: no entries anywhere
+        return torch.empty(0, dtype=torch.int64), torch.zeros(len(sizes), dtype=torch.int64)
+    return torch.cat(tables), torch.tensor(sizes, dtype=torch.int64)
 
 
 def _new_tables(table: list) -> tuple:
