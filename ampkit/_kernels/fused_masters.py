@@ -221,9 +221,7 @@ def step_remainder_table_(w, r, grad, m, v, hyper: Hyper, table: torch.Tensor,
                           lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """`step_remainder_` with ``r``'s side table given as ``table``: returns the new table
     (a tensor of its own) instead of setting it."""
-    tensors = [w, r, grad, m, v]
-    _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32], "step_remainder_",
-           ["w", "r", "grad", "m", "v"])
+    tensors = _check_remainder(w, r, grad, m, v)
     return stepped_table(tensors, table, lib, [0, 1, 3, 4], lambda: step_remainder_eager(w, r, grad, m, v, hyper),
                          lambda flat, table: step_remainder_native(lib, *flat, hyper, table))
 
@@ -233,10 +231,17 @@ def steps_remainder_table_(steps: list, lib: Optional[ctypes.CDLL] = None) -> li
     the kernel ``lib`` reads where they are (not empty) in one call, the others one at a time
     (all checked first); the new tables, in order."""
     for w, r, grad, m, v, *_ in steps:
-        _check([w, r, grad, m, v], [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32],
-               "step_remainder_", ["w", "r", "grad", "m", "v"])
+        _check_remainder(w, r, grad, m, v)
     return in_one_call(steps, lib, 5, steps_remainder_native,
                        lambda w, r, grad, m, v, hyper, table: step_remainder_table_(w, r, grad, m, v, hyper, table, lib))
+
+
+def _check_remainder(w, r, grad, m, v) -> list:
+    """`step_remainder_table_`'s tensors, checked."""
+    tensors = [w, r, grad, m, v]
+    _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32, torch.float32], "step_remainder_",
+           ["w", "r", "grad", "m", "v"])
+    return tensors
 
 
 def in_one_call(steps: list, lib: Optional[ctypes.CDLL], tensors: int, native_steps, one) -> list:

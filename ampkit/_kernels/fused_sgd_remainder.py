@@ -76,8 +76,7 @@ def steps_table_(steps: list, hyper: Hyper, lib: Optional[ctypes.CDLL] = None) -
     None for all or none): those the kernel ``lib`` reads where they are (not empty) in one call,
     the others one at a time (all checked first); the new tables, in order."""
     for w, r, grad, buf, *_ in steps:
-        _check([w, r, grad] + ([] if buf is None else [buf]), [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32],
-               "sgd remainder step_", ["w", "r", "grad", "buf"])
+        _checked(w, r, grad, buf)
     return in_one_call(steps, lib, 4, lambda lib, run: steps_native(lib, run, hyper),
                        lambda w, r, grad, buf, new, table: step_table_(w, r, grad, buf, hyper, new, table, lib))
 
@@ -86,10 +85,16 @@ def step_table_(w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tensor,
                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """`step_` with ``r``'s side table given as ``table``: returns the new table (a tensor of its
     own) instead of setting it."""
-    tensors = [w, r, grad] + ([] if buf is None else [buf])
-    _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32], "sgd remainder step_",
-           ["w", "r", "grad", "buf"])
+    tensors = _checked(w, r, grad, buf)
 
     def native_step(flat, table):
         return step_native(lib, *flat[:3], flat[3] if buf is not None else None, hyper, new, table)
     return stepped_table(tensors, table, lib, [0, 1, 3], lambda: step_eager(w, r, grad, buf, hyper, new), native_step)
+
+
+def _checked(w, r, grad, buf) -> list:
+    """`step_table_`'s tensors (``buf`` where given), checked."""
+    tensors = [w, r, grad] + ([] if buf is None else [buf])
+    _check(tensors, [torch.bfloat16, torch.int16, torch.bfloat16, torch.float32], "sgd remainder step_",
+           ["w", "r", "grad", "buf"])
+    return tensors
