@@ -16,6 +16,7 @@ __all__ = ["adamw_steps_", "master_steps_", "remainder_steps_", "adamw_8bit_step
 
 
 _NO_TABLE = torch.empty(0, dtype=torch.int64)  # the op's argument for a CPU remainder without a table (only read)
+_NO_WEIGHT = torch.empty(0, dtype=torch.bfloat16)  # a master op's ``w[i]`` for a float32 parameter (only read)
 
 
 def _table_arg(r: torch.Tensor) -> torch.Tensor:
@@ -38,12 +39,27 @@ def _values(hyper: Hyper) -> tuple:
 _LIB = torch.library.Library("ampkit", "DEF")
 
 
+_IMPLS = {}  # name -> CPU implementation, for `_run`
+
+
 def _declare(schema: str, impl, fake) -> None:
     """Define ``ampkit::<schema>`` with its CPU implementation ``impl`` and its fake (for tracing)."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     _LIB.impl(name, impl, "CPU")
     torch.library.register_fake(f"ampkit::{name}", fake, lib=_LIB)
+    _IMPLS[name] = impl
+
+
+def _run(name: str, *args):
+    """``torch.ops.ampkit.<name>(*args)`` on CPU tensors: through the dispatcher where anything
+    may see the call (``torch.compile`` tracing, a dispatch or function mode), else its CPU
+    implementation called directly, which is what the dispatcher would run: right after a
+    backward pass the dispatcher's way in cost 65-85 us a call here (3 us warm)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
+        return getattr(torch.ops.ampkit, name)(*args)
+    return _IMPLS[name](*args)
 
 
 def adamw_bf16(w, grad, m, v, count, hyper, flags, seed, step, tensor, first) -> None:
@@ -60,10 +76,16 @@ _declare("adamw_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] m, Tensor(c!)[]
          adamw_bf16, lambda w, grad, m, v, count, hyper, flags, seed, step, tensor, first: None)
 
 
+def _weight(w: list, i: int):
+    """A master op's bf16 weight of tensor ``i``: None where ``w`` is empty (no tensor has one) or
+    ``w[i]`` is (a float32 parameter, `_NO_WEIGHT`; a zero-size master has nothing to write)."""
+    return w[i] if w and w[i].numel() else None
+
+
 def adamw_master(x, grad, m, v, w, count, hyper, flags) -> None:
-    """O5's step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]`` (``w`` empty:
-    none) (`fused_masters.steps_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
-    fused_masters.steps_master_([(x[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), w[i] if w else None)
+    """O5's step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]`` (`_weight`)
+    (`fused_masters.steps_master_`); ``count``, ``hyper``, ``flags`` as `adamw_bf16`'s."""
+    fused_masters.steps_master_([(x[i], grad[i], m[i], v[i], _hyper(hyper, flags, count[i]), _weight(w, i))
                                  for i in range(len(x))], native.library())
 
 
@@ -142,8 +164,8 @@ _declare("sgd_bf16(Tensor(a!)[] w, Tensor[] grad, Tensor(b!)[] buf, float[] hype
 
 def sgd_master(x, grad, buf, w, hyper, flags, new) -> None:
     """O5's SGD step of each float32 master ``x[i]`` and its bf16 model weight ``w[i]``
-    (`fused_sgd.steps_master_`; ``buf`` and ``w`` empty: none)."""
-    fused_sgd.steps_master_([(x[i], grad[i], buf[i] if buf else None, new[i], w[i] if w else None)
+    (`fused_sgd.steps_master_`; ``buf`` empty: none; ``w`` as `_weight` reads it)."""
+    fused_sgd.steps_master_([(x[i], grad[i], buf[i] if buf else None, new[i], _weight(w, i))
                              for i in range(len(x))], _sgd(hyper, flags), native.library())
 
 
@@ -203,15 +225,21 @@ def adamw_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> None:
         fused_adamw.step_(w, grad, m, v, dataclasses.replace(hyper, step=count.item()), seed, step, tensor, index)
     if runs:
         w, grad, m, v, count, tensor, first = (list(column) for column in zip(*runs))
-        torch.ops.ampkit.adamw_bf16(w, grad, m, v, count, *_values(hyper), seed, step, tensor, first)
+        _run("adamw_bf16", w, grad, m, v, count, *_values(hyper), seed, step, tensor, first)
 
 
 def master_steps_(steps: list, hyper: Hyper) -> None:
     """`fused_masters.step_master_` of each ``(x, grad, m, v, count, w)`` of ``steps`` (CPU tensors
-    of one group, at step ``count`` as `adamw_steps_`'s; ``w`` None for all or none), as the op."""
+    of one group, at step ``count`` as `adamw_steps_`'s; ``w`` None: a float32 parameter, no
+    weight to write), as the op."""
     if steps:
         x, grad, m, v, count, w = (list(column) for column in zip(*steps))
-        torch.ops.ampkit.adamw_master(x, grad, m, v, _all_or_none("w", w), count, *_values(hyper))
+        _run("adamw_master", x, grad, m, v, _weights(w), count, *_values(hyper))
+
+
+def _weights(w: list) -> list:
+    """A master op's ``w``: ``[]`` where every tensor has none, else each one's (`_NO_WEIGHT` for None)."""
+    return [_NO_WEIGHT if t is None else t for t in w] if any(t is not None for t in w) else []
 
 
 def remainder_steps_(steps: list, hyper: Hyper) -> None:
@@ -219,8 +247,8 @@ def remainder_steps_(steps: list, hyper: Hyper) -> None:
     tensors of one group, at step ``count`` as `adamw_steps_`'s), as the op."""
     if steps:
         w, r, grad, m, v, count = (list(column) for column in zip(*steps))
-        _set_tables(r, torch.ops.ampkit.adamw_remainder(w, r, grad, m, v, [_table_arg(x) for x in r], count,
-                                                        *_values(hyper)))
+        _set_tables(r, _run("adamw_remainder", w, r, grad, m, v, [_table_arg(x) for x in r], count,
+                            *_values(hyper)))
 
 
 def _set_tables(remainders: list, result: tuple) -> None:
@@ -242,8 +270,8 @@ def adamw_8bit_steps_(steps: list, hyper: Hyper, seed: int, step: int) -> int:
     if not steps:
         return 0
     w, grad, mq, ms, vq, vs, count, cap, tensor, first, backup = (list(column) for column in zip(*steps))
-    return int(torch.ops.ampkit.adamw_8bit(w, grad, mq, ms, vq, vs, [t for b in backup for t in b], count,
-                                           *_values(hyper), cap, seed, step, tensor, first))
+    return int(_run("adamw_8bit", w, grad, mq, ms, vq, vs, [t for b in backup for t in b], count,
+                    *_values(hyper), cap, seed, step, tensor, first))
 
 
 def sgd_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> None:
@@ -255,16 +283,15 @@ def sgd_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> Non
         fused_sgd.step_(w, grad, buf, hyper, new, seed, step, tensor, index)
     if runs:
         w, grad, buf, new, tensor, first = (list(column) for column in zip(*runs))
-        torch.ops.ampkit.sgd_bf16(w, grad, _all_or_none("buf", buf), *_sgd_values(hyper), new, seed, step, tensor,
-                                  first)
+        _run("sgd_bf16", w, grad, _all_or_none("buf", buf), *_sgd_values(hyper), new, seed, step, tensor, first)
 
 
 def sgd_master_steps_(steps: list, hyper: fused_sgd.Hyper) -> None:
     """`fused_sgd.step_master_` of each ``(x, grad, buf, new, w)`` of ``steps`` (CPU tensors of one
-    group; ``buf``, ``w`` None for all or none), as the op."""
+    group; ``buf`` None for all or none; ``w`` as `master_steps_`'s), as the op."""
     if steps:
         x, grad, buf, new, w = (list(column) for column in zip(*steps))
-        torch.ops.ampkit.sgd_master(x, grad, _all_or_none("buf", buf), _all_or_none("w", w), *_sgd_values(hyper), new)
+        _run("sgd_master", x, grad, _all_or_none("buf", buf), _weights(w), *_sgd_values(hyper), new)
 
 
 def sgd_remainder_steps_(steps: list, hyper: fused_sgd.Hyper) -> None:
@@ -272,8 +299,8 @@ def sgd_remainder_steps_(steps: list, hyper: fused_sgd.Hyper) -> None:
     one group; ``buf`` None for all or none), as the op."""
     if steps:
         w, r, grad, buf, new = (list(column) for column in zip(*steps))
-        _set_tables(r, torch.ops.ampkit.sgd_remainder(w, r, grad, _all_or_none("buf", buf), [_table_arg(x) for x in r],
-                                                      *_sgd_values(hyper), new))
+        _set_tables(r, _run("sgd_remainder", w, r, grad, _all_or_none("buf", buf), [_table_arg(x) for x in r],
+                            *_sgd_values(hyper), new))
 
 
 def sgd_8bit_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -> int:
@@ -283,5 +310,5 @@ def sgd_8bit_steps_(steps: list, hyper: fused_sgd.Hyper, seed: int, step: int) -
     if not steps:
         return 0
     w, grad, bq, bs, new, tensor, first, backup = (list(column) for column in zip(*steps))
-    return int(torch.ops.ampkit.sgd_8bit(w, grad, bq, bs, [t for b in backup for t in b], *_sgd_values(hyper), new,
-                                         seed, step, tensor, first))
+    return int(_run("sgd_8bit", w, grad, bq, bs, [t for b in backup for t in b], *_sgd_values(hyper), new,
+                    seed, step, tensor, first))

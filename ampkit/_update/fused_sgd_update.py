@@ -16,6 +16,8 @@ AVX2 / AVX512 loops, so results agree with it to the last float32 bit or so, bit
 portable kernels. The state stays torch's (``momentum_buffer``, keyed by the parameter or the
 master; none when momentum is 0), so checkpoints move between the fused path and plain torch.
 """
+from typing import Optional
+
 import torch
 
 from .._kernels import compiled_sgd, compiled_update, ops
@@ -105,27 +107,32 @@ def step(optimizer, params, grads: dict, state_dtype, rounder, ids: dict) -> Non
             ops.sgd_steps_(run, hypers[id(group)], rounder.seed, rounder.step)
 
 
-def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in `step_masters`: its gradient
-    dense fp32, both on the CPU, an `exact_group` not being traced by ``torch.compile``, a float32
-    buffer (if any)."""
-    if not master_pair(master, param) or not exact_group(optimizer, group) or torch.compiler.is_compiling():
-        return False
-    return _state_as_kept(optimizer.state.get(master), master, torch.float32)
+def master_eligible(optimizer, group: dict, master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
+    """Whether O5's fp32 ``master`` of bf16 model ``param`` (None: an fp32 parameter the optimizer
+    holds itself) steps in `step_masters`: an `exact_group` not being traced by ``torch.compile``,
+    `_master_kept`."""
+    return exact_group(optimizer, group) and not torch.compiler.is_compiling() and _master_kept(optimizer, master, param)
+
+
+def _master_kept(optimizer, master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
+    """``fused_update.master_pair`` and a float32 buffer (if any): `master_eligible` but the group."""
+    return master_pair(master, param) and _state_as_kept(optimizer.state.get(master), master, torch.float32)
 
 
 def masters_to_step(optimizer, owner: dict) -> list:
-    """``(group, master, param)`` of each master (``owner``: master -> bf16 model parameter) that
-    `step_masters` steps this time (none with ``AMPKIT_FUSED=0``)."""
-    if not enabled() or not is_sgd(optimizer):
+    """``(group, master, param)`` of each master (``owner``: master -> bf16 model parameter) and
+    fp32 parameter (``param`` None) that `step_masters` steps this time: as
+    ``fused_update.masters_to_step``'s, for SGD."""
+    if not enabled() or not is_sgd(optimizer) or torch.compiler.is_compiling():
         return []
-    return [(g, m, owner[m]) for g in optimizer.param_groups for m in g["params"]
-            if m in owner and master_eligible(optimizer, g, m, owner[m])]
+    items = [(g, m, owner.get(m)) for g in optimizer.param_groups if exact_group(optimizer, g)
+             for m in g["params"] if _master_kept(optimizer, m, owner.get(m))]
+    return items if any(p is not None for _, _, p in items) else []  # fp32 ones only beside masters
 
 
 def step_masters(optimizer, items) -> None:
     """One SGD step of each O5 master of ``items`` (from `masters_to_step`), writing its bf16 model
-    parameter too: the declared op once per group."""
+    parameter too (where it has one): the declared op once per group (twice with fp32 parameters)."""
     steps = []
     for group, m, p in items:
         buf, new = _buffer(optimizer, group, m, torch.float32)

@@ -28,12 +28,14 @@ kernel per tensor (``_kernels/compiled_update.py``) where Triton is installed, w
 numbers as the C kernel; ``AMPKIT_COMPILED_UPDATE=0`` turns that off (accelerator
 parameters then take the optimizer's own step).
 """
+from typing import Optional
+
 import torch
 
 from .._common import switches
 from .._kernels import compiled_update, ops
 from .._kernels.fused_adamw import Hyper, arithmetic
-from .shards import global_index, like, local
+from .shards import global_index, is_dtensor, like, local
 
 KINDS = (torch.optim.AdamW, torch.optim.Adam)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -64,21 +66,30 @@ def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tens
     return plain(optimizer, group, p, grad) and _state_as_kept(optimizer.state.get(p), p, torch.float32)
 
 
-def master_eligible(optimizer, group: dict, master: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether O5's fp32 ``master`` of bf16 model ``param`` steps in `step_masters`: its
-    gradient dense fp32, both on the CPU, an exact AdamW / Adam, fp32 state (if any)."""
-    if not master_pair(master, param) or not plain_group(optimizer, group):
-        return False
-    return _state_as_kept(optimizer.state.get(master), master, torch.float32)
+def master_eligible(optimizer, group: dict, master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
+    """Whether O5's fp32 ``master`` of bf16 model ``param`` (None: an fp32 parameter the
+    optimizer holds itself) steps in `step_masters`: `master_pair`, an exact AdamW / Adam,
+    fp32 state (if any)."""
+    return plain_group(optimizer, group) and _master_kept(optimizer, master, param)
 
 
-def master_pair(master: torch.Tensor, param: torch.Tensor) -> bool:
+def _master_kept(optimizer, master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
+    """`master_pair` and fp32 state (if any): `master_eligible` but the group."""
+    return master_pair(master, param) and _state_as_kept(optimizer.state.get(master), master, torch.float32)
+
+
+def master_pair(master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
     """Whether fp32 ``master`` of bf16 model ``param`` is what the fused master kernels take: a
-    dense fp32 gradient, the same shape, both on the CPU (whatever the optimizer)."""
+    dense fp32 gradient, the same shape, both on the CPU (whatever the optimizer). ``param``
+    None: ``master`` is an fp32 parameter of its own (a norm kept in fp32), not a DTensor (FSDP2's
+    fp32 shards, which ampkit does not master, take the optimizer's own step)."""
     grad = master.grad
-    return not (grad is None or param.dtype != torch.bfloat16 or master.dtype != torch.float32
-                or grad.dtype != torch.float32 or grad.is_sparse or master.shape != param.shape
-                or local(master).device.type != "cpu" or local(param).device.type != "cpu")
+    if (grad is None or master.dtype != torch.float32 or grad.dtype != torch.float32 or grad.is_sparse
+            or local(master).device.type != "cpu"):
+        return False
+    if param is None:
+        return not is_dtensor(master)
+    return param.dtype == torch.bfloat16 and master.shape == param.shape and local(param).device.type == "cpu"
 
 
 def plain_group(optimizer, group: dict) -> bool:
@@ -196,16 +207,20 @@ def step_fp32_(optimizer, params) -> None:
 
 def masters_to_step(optimizer, owner: dict) -> list:
     """``(group, master, param)`` of each of ``optimizer``'s masters (``owner``: master -> bf16
-    model parameter) that `step_masters` steps this time (none with ``AMPKIT_FUSED=0``)."""
-    if not enabled() or type(optimizer) not in KINDS:
+    model parameter) and fp32 parameters (``param`` None) that `step_masters` steps this time:
+    `master_eligible`, each group checked once; fp32 parameters only beside a master (O2's
+    float16 masters take the optimizer's own step, its fp32 parameters with them); none with
+    ``AMPKIT_FUSED=0``."""
+    if not enabled() or type(optimizer) not in KINDS or torch.compiler.is_compiling():
         return []
-    return [(g, m, owner[m]) for g in optimizer.param_groups for m in g["params"]
-            if m in owner and master_eligible(optimizer, g, m, owner[m])]
+    items = [(g, m, owner.get(m)) for g in optimizer.param_groups if exact_group(optimizer, g)
+             for m in g["params"] if _master_kept(optimizer, m, owner.get(m))]
+    return items if any(p is not None for _, _, p in items) else []  # fp32 ones only beside masters
 
 
 def step_masters(optimizer, items) -> None:
     """One AdamW / Adam step of each O5 master of ``items`` (from `masters_to_step`),
-    writing its bf16 model parameter too."""
+    writing its bf16 model parameter too (where it has one)."""
     states = _advanced(optimizer, [m for _, m, _ in items], torch.float32)
     with torch.no_grad():  # the declared op reads the step count itself, as `step`'s
         for group, run in by_group((g, m, p, st) for (g, m, p), st in zip(items, states)):

@@ -344,8 +344,8 @@ def test_o5_and_remainder_masters_with_the_kernel_equal_the_eager_path_and_each_
 @pytest.mark.parametrize("adam", ["adamw", "adam"])
 def test_o5_fused_is_the_hand_written_master_loop_with_its_arithmetic(lib, monkeypatch, adam, variant, grads):
     """O5 with the fused update is bit for bit the hand-written master-weight loop of
-    tests/optim/test_master_weights.py whose bf16 masters step in ``step_master_eager`` (the
-    fp32 BatchNorm parameters in the optimizer's own step): model, masters and state."""
+    tests/optim/test_master_weights.py whose masters and fp32 BatchNorm parameters step in
+    ``step_master_eager``: model, masters and state."""
     from ampkit._kernels.fused_masters import step_master_eager
     from ampkit._optim import optimizer_state
     from tests.optim.test_master_weights import HALF, Net as BNNet, Reference, amp_step, batch, init
@@ -354,11 +354,12 @@ def test_o5_fused_is_the_hand_written_master_loop_with_its_arithmetic(lib, monke
     kw = {"lr": 1e-2, "weight_decay": 0.1, **({"foreach": True} if variant == "foreach" else {})}
     base = BNNet()
     ref = Reference(base, HALF["O5"], cls, kw, 1.0)
-    torch_step, half = ref.opt.step, [m for p, m in ref.pairs if m is not p]
+    torch_step, stepped = ref.opt.step, [m for _, m in ref.pairs]
+    assert any(m is p for p, m in ref.pairs) and any(m is not p for p, m in ref.pairs)  # fp32 norms and masters
 
     def fused_reference_step():
-        held = [(m, m.grad) for m in half]
-        for m in half:
+        held = [(m, m.grad) for m in stepped]
+        for m in stepped:
             state = ref.opt.state[m]
             if not state:
                 state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
