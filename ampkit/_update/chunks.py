@@ -11,7 +11,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from .._config.levels import HALF_DTYPES
-from . import fused_update
+from . import fused_sgd_update, fused_update
 from .base import OptimizerUpdate
 from .shards import global_index, like, local
 
@@ -99,6 +99,29 @@ class ChunkedUpdate(OptimizerUpdate):
 
     def _step_fused(self, params, grads: dict) -> None:
         raise NotImplementedError
+
+    def _fp32_fusable(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether float32 ``p`` (a norm kept in fp32) steps in the fused masters' op (`_step_fp32`):
+        the fused path on, an exact AdamW / Adam or SGD whose master kernel takes it, with no model
+        weight to write (``master_eligible``; read before the gradients are set aside)."""
+        kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
+        return self.fused_on and p.dtype == torch.float32 and kind.master_eligible(self.optimizer, group, p, None)
+
+    def _step_fp32(self, params, grads: dict) -> list:
+        """The float32 ones of the fused ``params`` (``(group, p)``) stepped in the fused masters'
+        op (`_fp32_fusable`), their gradients lent back for it; the others, returned."""
+        fp32 = [(g, p) for g, p in params if p.dtype == torch.float32]
+        if not fp32:
+            return params
+        kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
+        for _, p in fp32:
+            p.grad = grads[p]
+        try:
+            kind.step_masters(self.optimizer, [(g, p, None) for g, p in fp32])
+        finally:
+            for _, p in fp32:
+                p.grad = None
+        return [(g, p) for g, p in params if p.dtype != torch.float32]
 
     def _step_chunks(self, parts, grads):
         """Each chunk's optimizer call starts from the param groups' settings as the step found

@@ -5,7 +5,8 @@ kept in the model's state; there is no fp32 copy between steps. The optimizer st
 exact masters rebuilt per chunk (`ChunkedUpdate`), which are split back into weight and
 remainder; a plain AdamW / Adam with float32 state, or an exact SGD with a float32 momentum
 buffer, steps them in one fused pass (``fused_update.step_remainders``,
-``fused_sgd_update.step_remainders``), bit for bit O5's fused masters. Design notes:
+``fused_sgd_update.step_remainders``), bit for bit O5's fused masters, and its float32
+parameters in O5's fused masters' op, as O5 does. Design notes:
 docs/design/update-engine.md.
 """
 from typing import List
@@ -36,7 +37,10 @@ class RemainderUpdate(ChunkedUpdate):
         super().attach()
 
     def _fusable(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether ``p`` steps in the remainder masters' fused AdamW or SGD (float32 state)."""
+        """Whether ``p`` steps in the remainder masters' fused AdamW or SGD (float32 state), or, a
+        float32 parameter, in the fused masters' op (`_fp32_fusable`)."""
+        if p.dtype == torch.float32:
+            return self._fp32_fusable(group, p)
         if not self.fused_on or self.state_dtype not in (None, torch.float32):
             return False
         if fused_sgd_update.is_sgd(self.optimizer):
@@ -44,8 +48,10 @@ class RemainderUpdate(ChunkedUpdate):
         return fused_update.remainder_eligible(self.optimizer, group, p, grad)
 
     def _step_fused(self, params, grads: dict) -> None:
-        kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
-        kind.step_remainders(self.optimizer, params, grads, self._remainders([p for _, p in params]))
+        half = self._step_fp32(params, grads)
+        if half:
+            kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
+            kind.step_remainders(self.optimizer, half, grads, self._remainders([p for _, p in half]))
 
     def _widen(self, wide, srcs, half) -> None:
         """The gradients and state widened; the weights' copies are the exact fp32 masters

@@ -1,5 +1,6 @@
 """Remainder masters with torch.optim.SGD (momentum, Nesterov, weight decay) under DDP on 2 gloo
-ranks against one process over the same batches: every step runs the fused remainder SGD pass;
+ranks against one process over the same batches: every step runs the fused remainder SGD pass
+(the fp32 BatchNorm parameters the fused masters' op);
 the ranks hold bit-identical weights, remainders, side tables and momentum buffers, whose masters
 and buffers equal O5's under DDP bit for bit (its fused SGD masters, the same reduced gradients),
 and match one process up to the gradients' summation order."""
@@ -24,7 +25,8 @@ def _train(master_weights, data, ddp_wrap=False):
     fused_sgd_update.step_remainders = lambda *a: (calls.append(1), real(*a))[1]
     try:
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 3))
+        net = nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 3)).eval()  # running stats:
+        net[1].running_mean.uniform_(-0.5, 0.5)  # the same normalization on every rank and in one process
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
         model, opt = ampkit.initialize(net, opt, opt_level="O5", master_weights=master_weights, verbosity=0)
         wrapped = DistributedDataParallel(model) if ddp_wrap else model
@@ -35,10 +37,11 @@ def _train(master_weights, data, ddp_wrap=False):
     if master_weights is True:  # O5: the fp32 masters and their buffers
         masters = [m.detach().clone() for m in ampkit.master_params(opt)]
         return {"masters": masters, "buffers": [opt.state[m]["momentum_buffer"].clone() for m in ampkit.master_params(opt)]}
-    rs = model._ampkit.remainders
-    return {"weights": [p.detach().clone() for p in params], "remainders": [rs[p].clone() for p in params],
-            "tables": [side_table(rs[p]).clone() for p in params],
-            "masters": [master(p.detach(), rs[p]) for p in params],
+    rs, half = model._ampkit.remainders, [p for p in params if p.dtype == torch.bfloat16]
+    assert len(half) == 4 and model[1].weight.dtype == torch.float32
+    return {"weights": [p.detach().clone() for p in half], "remainders": [rs[p].clone() for p in half],
+            "tables": [side_table(rs[p]).clone() for p in half],
+            "masters": [master(p.detach(), rs[p]) if p in rs else p.detach().clone() for p in params],
             "buffers": [opt.state[p]["momentum_buffer"].clone() for p in params], "calls": len(calls)}
 
 
