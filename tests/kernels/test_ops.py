@@ -51,3 +51,9 @@ def test_a_float32_parameter_beside_masters_steps_as_alone(lib):
         ops.sgd_master_steps_([step], HYPER)
     for a, b in zip(together, alone):
         assert all(torch.equal(s, t) for s, t in zip(a, b) if torch.is_tensor(s))
+
+
+def test_the_profiler_sees_the_op(lib):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.sgd_master_steps_(_steps(), HYPER)
+    assert [e.name for e in prof.events()].count("ampkit::sgd_master") == 1
