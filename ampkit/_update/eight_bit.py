@@ -72,8 +72,14 @@ class EightBitUpdate(ChunkedUpdate):
     def _optimizer_step(self, chunk, swapped):
         """With a plain AdamW / Adam, ampkit's arithmetic (``fused_update.step_fp32_``, what O8's
         fused kernel computes: here for shards whose blocks other ranks share), so that the
-        numbers are the same on every path and world size; else the optimizer's own step."""
+        numbers are the same on every path and world size; a chunk of float32 parameters only
+        (norms kept in fp32: O8's fused kernel took the rest) in the fused masters' op, as at O5
+        and O7; else the optimizer's own step."""
         opt = self.optimizer
+        if not swapped and all(self._fp32_fusable(g, p) for g, _, p in chunk):
+            kind = fused_sgd_update if fused_sgd_update.is_sgd(opt) else fused_update
+            kind.step_masters(opt, [(g, p, None) for g, _, p in chunk])
+            return None
         if (self.fused_on and len(swapped) == len(chunk)
                 and all(fused_update.plain_group(opt, g) for g, _, _, _ in swapped)):
             fused_update.step_fp32_(opt, [(g, f) for g, _, _, f in swapped])

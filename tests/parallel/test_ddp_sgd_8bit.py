@@ -1,8 +1,9 @@
-"""O8 with ``torch.optim.SGD`` momentum (its 8-bit buffer stepped by the fused kernel) under DDP on 2
-gloo ranks against one process over the same batches: the ranks hold bit-identical weights and
-buffers, equal to the one process's up to the gradients' summation order; through a skipped step
-and a resume, the resumed run is the uninterrupted one bit for bit (its counter bits, two elements
-to a word, are a function of the step and the global index)."""
+"""O8 with ``torch.optim.SGD`` momentum (its 8-bit buffer stepped by the fused kernel, the fp32
+BatchNorm in the fused masters' op) under DDP on 2 gloo ranks against one process over the same
+batches: the ranks hold bit-identical weights and buffers, equal to the one process's up to the
+gradients' summation order; through a skipped step and a resume, the resumed run is the
+uninterrupted one bit for bit (its counter bits, two elements to a word, are a function of the
+step and the global index)."""
 import io
 
 import pytest
@@ -22,7 +23,8 @@ HALF_CLOSE = dict(rtol=2e-2, atol=2e-2)  # bf16 weights: a rounding apart where 
 
 def _build(kind):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 300), nn.Tanh(), nn.Linear(300, 3))  # 1200 weights: several blocks of 256
+    net = nn.Sequential(nn.Linear(4, 300), nn.BatchNorm1d(300), nn.Tanh(), nn.Linear(300, 3))  # 1200 weights:
+    net.eval()[1].running_mean.uniform_(-0.5, 0.5)  # several blocks of 256; running stats, the same everywhere
     opt = torch.optim.SGD(net.parameters(), lr=0.05, **OPTIONS[kind])
     return ampkit.initialize(net, opt, opt_level="O8", verbosity=0, max_loss_scale=2.0**10)
 
@@ -93,9 +95,13 @@ def test_two_ranks_agree_bit_for_bit_and_match_one_process(ranks, kind):
     assert all(torch.equal(x, y) for x, y in zip(wa, wb))
     assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(sa, sb))
     for got, want, state in zip(wa, weights, sa):
-        assert got.dtype == torch.bfloat16 and set(state) == {"momentum_buffer.codes", "momentum_buffer.scales"}
-        assert state["momentum_buffer.codes"].dtype == torch.int8
+        if got.dtype == torch.float32:  # the BatchNorm: torch's float32 buffer
+            assert set(state) == {"momentum_buffer"} and state["momentum_buffer"].dtype == torch.float32
+        else:
+            assert got.dtype == torch.bfloat16 and set(state) == {"momentum_buffer.codes", "momentum_buffer.scales"}
+            assert state["momentum_buffer.codes"].dtype == torch.int8
         torch.testing.assert_close(got.float(), want.float(), **HALF_CLOSE)
+    assert [w.dtype for w in wa] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2
     assert any(not torch.equal(a, b) for a, b in zip(wa, _build(kind)[0].parameters()))  # it trained
 
 

@@ -1,7 +1,7 @@
-"""O5's masters update (``ampkit/_update/masters.py``), and the chunked updates of O7 and the
+"""O5's masters update (``ampkit/_update/masters.py``), and the chunked updates of O7, O8 and the
 remainder masters (``_update/chunks.py``): the fp32 parameters the optimizer holds itself (norms
 kept in fp32) step in the fused masters' op beside the fused parameters, bit for bit the eager
-reference and torch's step within a float32 rounding (O7: within its bf16 weights' rounding); O2's
+reference and torch's step within a float32 rounding (O7, O8: within their bf16 weights' rounding); O2's
 float16 masters and a group the kernels do not take leave them to the optimizer's own step."""
 import pytest
 import torch
@@ -17,7 +17,7 @@ OPTIMIZERS = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.01),
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
 }
-LEVELS = {"O5": ("O5", {}), "O7": ("O7", {}), "remainder": ("O5", {"master_weights": "remainder"})}
+LEVELS = {"O5": ("O5", {}), "O7": ("O7", {}), "O8": ("O8", {}), "remainder": ("O5", {"master_weights": "remainder"})}
 STEP_MASTERS = {"sgd": (fused_sgd_update, fused_sgd_update.step_masters), "adamw": (fused_update, fused_update.step_masters)}
 
 
@@ -67,7 +67,7 @@ def test_fp32_parameters_step_in_the_fused_op(lib, monkeypatch, kind, level):
     kernel, torch_run = snapshot(*runs["kernel"][:2]), snapshot(*runs["torch"][:2])
     assert same(kernel, snapshot(*runs["eager"][:2]))
     assert not same(kernel, snapshot(_model(), torch.optim.SGD(_model().parameters(), lr=0.1)))
-    tol = dict(rtol=8e-3, atol=1e-5) if level == "O7" else dict(rtol=2e-6, atol=1e-7)
+    tol = dict(rtol=8e-3, atol=1e-5) if level in ("O7", "O8") else dict(rtol=2e-6, atol=1e-7)
     for a, b in zip(kernel[0], torch_run[0]):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
@@ -89,3 +89,37 @@ def test_a_group_the_kernels_do_not_take_steps_in_the_optimizers_own_step(lib, m
     assert "max_exp_avg_sq" in kernel[1].state[kernel[0][1].weight]
     for a, b in zip(kernel[0].parameters(), torch_run[0].parameters()):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_an_o8_step_whose_fp32_parameter_would_turn_non_finite_is_skipped_whole(lib, monkeypatch, kind):
+    """O8 steps its bf16 parameters in its kernel, then the BatchNorm in the fused masters' op;
+    a learning rate past float32's range turns the BatchNorm non-finite: the step is skipped and
+    every weight and state tensor is as before."""
+    from tests.update.test_state_8bit import raw_state
+    model = _model()
+    opt = OPTIMIZERS[kind]([{"params": [p for n, p in model.named_parameters() if not n.startswith("1.")]},
+                            {"params": list(model[1].parameters())}])
+    model, opt = ampkit.initialize(model, opt, opt_level="O8", verbosity=0)
+    module, real = STEP_MASTERS[kind]
+    fp32 = []
+    monkeypatch.setattr(module, "step_masters",
+                        lambda o, items: (fp32.append(sum(p is None for _, _, p in items)), real(o, items))[1])
+    x, y = torch.randn(16, 5, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 3)
+
+    def step():
+        opt.zero_grad()
+        with ampkit.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    step()
+    weights, state = [p.detach().clone() for p in model.parameters()], raw_state(opt)
+    opt.param_groups[1]["lr"] = 1e39
+    step()
+    assert ampkit.step_was_skipped(opt) and fp32 == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = raw_state(opt)
+    assert after.keys() == state.keys() and all(torch.equal(state[k], after[k]) for k in state)
+    opt.param_groups[1]["lr"] = 1e-3
+    step()
+    assert not ampkit.step_was_skipped(opt) and not torch.equal(weights[2], model[1].weight)
