@@ -55,7 +55,7 @@ def _run(name: str, *args):
     """``torch.ops.ampkit.<name>(*args)`` on CPU tensors: through the dispatcher where anything
     may see the call (``torch.compile`` tracing, a dispatch or function mode, the profiler), else
     its CPU implementation called directly, which is what the dispatcher would run: right after a
-    backward pass the dispatcher's way in cost 65-85 us a call here (3 us warm)."""
+    backward pass the dispatcher's way in cost 65-75 us a call here (3 us warm)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._autograd._profiler_enabled()):
         return getattr(torch.ops.ampkit, name)(*args)
