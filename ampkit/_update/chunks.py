@@ -100,12 +100,16 @@ class ChunkedUpdate(OptimizerUpdate):
     def _step_fused(self, params, grads: dict) -> None:
         raise NotImplementedError
 
+    def _kind(self):
+        """The fused update's module for this optimizer: ``fused_sgd_update`` for an exact SGD, else
+        ``fused_update`` (AdamW / Adam; each checks what it takes)."""
+        return fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
+
     def _fp32_fusable(self, group: dict, p: torch.Tensor) -> bool:
         """Whether float32 ``p`` (a norm kept in fp32) steps in the fused masters' op (`_step_fp32`):
         the fused path on, an exact AdamW / Adam or SGD whose master kernel takes it, with no model
         weight to write (``master_eligible``; read before the gradients are set aside)."""
-        kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
-        return self.fused_on and p.dtype == torch.float32 and kind.master_eligible(self.optimizer, group, p, None)
+        return self.fused_on and p.dtype == torch.float32 and self._kind().master_eligible(self.optimizer, group, p, None)
 
     def _step_fp32(self, params, grads: dict) -> list:
         """The float32 ones of the fused ``params`` (``(group, p)``) stepped in the fused masters'
@@ -113,11 +117,10 @@ class ChunkedUpdate(OptimizerUpdate):
         fp32 = [(g, p) for g, p in params if p.dtype == torch.float32]
         if not fp32:
             return params
-        kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
         for _, p in fp32:
             p.grad = grads[p]
         try:
-            kind.step_masters(self.optimizer, [(g, p, None) for g, p in fp32])
+            self._kind().step_masters(self.optimizer, [(g, p, None) for g, p in fp32])
         finally:
             for _, p in fp32:
                 p.grad = None

@@ -77,8 +77,7 @@ class EightBitUpdate(ChunkedUpdate):
         and O7; else the optimizer's own step."""
         opt = self.optimizer
         if not swapped and all(self._fp32_fusable(g, p) for g, _, p in chunk):
-            kind = fused_sgd_update if fused_sgd_update.is_sgd(opt) else fused_update
-            kind.step_masters(opt, [(g, p, None) for g, _, p in chunk])
+            self._kind().step_masters(opt, [(g, p, None) for g, _, p in chunk])
             return None
         if (self.fused_on and len(swapped) == len(chunk)
                 and all(fused_update.plain_group(opt, g) for g, _, _, _ in swapped)):

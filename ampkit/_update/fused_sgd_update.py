@@ -132,7 +132,7 @@ def masters_to_step(optimizer, owner: dict) -> list:
 
 def step_masters(optimizer, items) -> None:
     """One SGD step of each O5 master of ``items`` (from `masters_to_step`), writing its bf16 model
-    parameter too (where it has one): the declared op once per group (twice with fp32 parameters)."""
+    parameter too (where it has one): the declared op once per group."""
     steps = []
     for group, m, p in items:
         buf, new = _buffer(optimizer, group, m, torch.float32)

@@ -14,7 +14,6 @@ from typing import List
 import torch
 
 from .._kernels.remainder import combine, remainder, split_
-from . import fused_sgd_update, fused_update
 from .chunks import ChunkedUpdate
 from .shards import local, shard_of
 
@@ -43,15 +42,12 @@ class RemainderUpdate(ChunkedUpdate):
             return self._fp32_fusable(group, p)
         if not self.fused_on or self.state_dtype not in (None, torch.float32):
             return False
-        if fused_sgd_update.is_sgd(self.optimizer):
-            return fused_sgd_update.remainder_eligible(self.optimizer, group, p, grad)
-        return fused_update.remainder_eligible(self.optimizer, group, p, grad)
+        return self._kind().remainder_eligible(self.optimizer, group, p, grad)
 
     def _step_fused(self, params, grads: dict) -> None:
         half = self._step_fp32(params, grads)
         if half:
-            kind = fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
-            kind.step_remainders(self.optimizer, half, grads, self._remainders([p for _, p in half]))
+            self._kind().step_remainders(self.optimizer, half, grads, self._remainders([p for _, p in half]))
 
     def _widen(self, wide, srcs, half) -> None:
         """The gradients and state widened; the weights' copies are the exact fp32 masters

@@ -5,11 +5,11 @@ chunk (`ChunkedUpdate`); the results are rounded back stochastically (the counte
 same for any chunking or sharding) or to nearest. With ``optimizer_state_dtype=torch.bfloat16``
 the elementwise state is stored in bf16 between steps, rounded the same way. A plain AdamW /
 Adam steps its bf16 parameters in O7's fused kernel instead (``fused_update.step``), a plain SGD in
-its own (``fused_sgd_update.step``), and their float32 parameters in the fused masters' op. Design notes: docs/design/update-engine.md.
+its own (``fused_sgd_update.step``), and their float32 parameters in the fused masters' op. Design
+notes: docs/design/update-engine.md.
 """
 import torch
 
-from . import fused_sgd_update, fused_update
 from .chunks import ChunkedUpdate
 
 
@@ -30,7 +30,3 @@ class RoundedUpdate(ChunkedUpdate):
         half = self._step_fp32(params, grads)
         if half:
             self._kind().step(self.optimizer, half, grads, self.state_dtype, self.rounder, self.ids)
-
-    def _kind(self):
-        """The fused update's module for this optimizer."""
-        return fused_sgd_update if fused_sgd_update.is_sgd(self.optimizer) else fused_update
