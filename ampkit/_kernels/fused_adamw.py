@@ -77,7 +77,7 @@ def steps_native(lib, steps: list, seed: int, step: int) -> None:
         rows.append([w.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), n, first,
                      counter_bits.key(seed, step, tensor, 0), m.dtype == torch.bfloat16, native.threads(n)])
         consts += hyper.consts()
-    native.call_rows(lib.adamw_bf16_many, rows, (ctypes.c_float * len(consts))(*consts))
+    native.call_rows(lib.adamw_bf16_many, rows, native.floats(consts))
 
 
 def step_(w, grad, m, v, hyper: Hyper, seed: int, step: int, tensor: int, index: Index,

@@ -74,7 +74,7 @@ def steps_native(lib, steps: list, seed: int, step: int) -> int:
                     + [n, first, counter_bits.key(seed, step, tensor, 0), native.threads(n)])
         consts += hyper.consts()
         consts.append(cap if math.isfinite(cap) else math.nan)
-    wrote = native.call_rows(lib.adamw_8bit_many, rows, (ctypes.c_float * len(consts))(*consts))
+    wrote = native.call_rows(lib.adamw_8bit_many, rows, native.floats(consts))
     if wrote < len(steps):
         w, _, mq, ms, vq, vs, *_, backup = steps[wrote]
         restore_(w, mq, ms, vq, vs, backup)

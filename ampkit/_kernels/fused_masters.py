@@ -41,7 +41,7 @@ def steps_master_native(lib, steps: list) -> None:
         n = x.numel()
         rows.append([x.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), native.address(w), n, native.threads(n)])
         consts += hyper.consts()
-    native.call_rows(lib.adamw_master_many, rows, (ctypes.c_float * len(consts))(*consts))
+    native.call_rows(lib.adamw_master_many, rows, native.floats(consts))
 
 
 def step_master_(x, grad, m, v, hyper: Hyper, w: Optional[torch.Tensor] = None,
@@ -103,7 +103,7 @@ def steps_remainder_native(lib, steps: list) -> list:
     def call_many(plans, found, counts, done):
         rows = [[w.data_ptr(), r.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), table.data_ptr(),
                  table.numel(), w.numel(), *plan] for (w, r, grad, m, v, _, table), plan in zip(steps, plans)]
-        native.call_rows(lib.adamw_remainder_many, rows, (ctypes.c_float * len(consts))(*consts), found, counts, done)
+        native.call_rows(lib.adamw_remainder_many, rows, native.floats(consts), found, counts, done)
     return captured_many(call_many, lambda i: _remainder_call(lib, *steps[i]), [s[0].numel() for s in steps])
 
 
