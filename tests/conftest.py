@@ -23,7 +23,7 @@ NUMERICS = (
     "model/test_float8.py", "update/test_fused_update.py", "update/test_fused_sgd_update.py", "update/test_fused_update_8bit.py",
     "optim/test_grad_kinds.py", "optim/test_master_weights.py", "loop/test_multi_loss.py",
     "model/test_recurrent.py", "update/test_remainder_masters.py", "update/test_shared_blocks.py",
-    "update/test_state_8bit.py", "update/test_rounded_update.py",
+    "update/test_state_8bit.py", "update/test_rounded_update.py", "update/test_masters.py", "kernels/test_ops.py",
     "normalization/", "parallel/",
     "precision/test_ground_truth.py", "precision/test_report_api.py", "loop/test_checkpoint.py",
     "loop/test_compile.py", "apex_api/test_fp16_utils.py", "loop/test_nonfinite_gradients.py",
