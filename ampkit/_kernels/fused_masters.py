@@ -312,11 +312,11 @@ class _contiguous:
 
 
 def _check(tensors, dtypes, fn: str, names) -> None:
-    shaped = True  # one shape and one device (read after every dtype is checked: a TypeError comes first)
     for t, dtype, name in zip(tensors, dtypes, names):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.is_sparse:
             raise TypeError(f"{fn}: {name} must be a dense {dtype} tensor, got "
                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}.")
-        shaped = shaped and t.shape == tensors[0].shape and t.device == tensors[0].device
-    if not shaped:
-        raise ValueError(f"{fn}: {', '.join(names[:len(tensors)])} must have one shape and one device.")
+    shape, device = tensors[0].shape, tensors[0].device  # one shape and one device (after every dtype)
+    for t in tensors[1:]:
+        if t.shape != shape or t.device != device:
+            raise ValueError(f"{fn}: {', '.join(names[:len(tensors)])} must have one shape and one device.")

@@ -174,9 +174,15 @@ def _check_step(w, grad, buf) -> list:
     return tensors
 
 
+_MASTER_ARGS = {(b, w): ([name for name, given in (("x", 1), ("grad", 1), ("buf", b), ("w", w)) if given],
+                        [dtype for dtype, given in ((torch.float32, 1), (torch.float32, 1), (torch.float32, b),
+                                                    (torch.bfloat16, w)) if given])
+                for b in (False, True) for w in (False, True)}  # (buf given, w given) -> names, dtypes
+
+
 def _check_master(x, grad, buf, w) -> list:
     """`step_master_`'s tensors (``buf``, ``w`` where given), checked."""
     tensors = [x, grad] + [t for t in (buf, w) if t is not None]
-    names = ["x", "grad"] + [name for name, t in (("buf", buf), ("w", w)) if t is not None]
-    _check(tensors, [{"w": torch.bfloat16}.get(name, torch.float32) for name in names], "sgd step_master_", names)
+    names, dtypes = _MASTER_ARGS[buf is not None, w is not None]
+    _check(tensors, dtypes, "sgd step_master_", names)
     return tensors

@@ -21,7 +21,7 @@ _NO_WEIGHT = torch.empty(0, dtype=torch.bfloat16)  # a master op's ``w[i]`` for 
 
 def _table_arg(r: torch.Tensor) -> torch.Tensor:
     """``r``'s side table as a remainder op's argument (`_NO_TABLE` for a CPU remainder without one)."""
-    return side_table(r, _NO_TABLE if r.device.type == "cpu" else None)
+    return side_table(r, _NO_TABLE if r.is_cpu else None)
 
 
 def _hyper(hyper: list, flags: list, count: torch.Tensor) -> Hyper:

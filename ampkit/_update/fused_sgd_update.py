@@ -52,7 +52,7 @@ def group_hypers(items) -> dict:
 
 def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
     buf = state.get(STATE_KEY) if state else None
-    return (not state or set(state) == {STATE_KEY}) and (
+    return (not state or (len(state) == 1 and STATE_KEY in state)) and (
         buf is None or (torch.is_tensor(buf) and buf.dtype == dtype and buf.shape == p.shape and not buf.is_sparse))
 
 
@@ -60,9 +60,9 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     """Whether bf16 ``p`` of ``group`` steps in O7's `step`: on CPU or where the compiled kernel
     runs (``compiled_update.available``: CUDA with Triton), a dense bf16 gradient, an
     `exact_group`, its buffer (if any) as this path keeps it."""
-    device = local(p).device
+    w = local(p)
     if (p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
-            or (device.type != "cpu" and not compiled_update.available(device)) or not exact_group(optimizer, group)):
+            or (not w.is_cpu and not compiled_update.available(w.device)) or not exact_group(optimizer, group)):
         return False
     return _state_as_kept(optimizer.state.get(p), p, torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32)
 
@@ -70,7 +70,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
 def remainder_eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether bf16 ``p`` with remainder masters steps in `step_remainders`: on CPU (the kernel
     is C), `eligible` with a float32 buffer (if any)."""
-    return local(p).device.type == "cpu" and eligible(optimizer, group, p, grad, torch.float32)
+    return local(p).is_cpu and eligible(optimizer, group, p, grad, torch.float32)
 
 
 def _buffer(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:

@@ -29,7 +29,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
     its buffer (if any) as ``state_8bit`` packs it."""
     if (not exact_group(optimizer, group) or group["momentum"] == 0
             or p.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16 or grad.is_sparse
-            or local(p).device.type != "cpu" or not whole_blocks(p, BLOCK)):
+            or not local(p).is_cpu or not whole_blocks(p, BLOCK)):
         return False
     state = optimizer.state.get(p)
     if not state:

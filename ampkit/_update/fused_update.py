@@ -53,9 +53,9 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor, state_
     do, and state (if any) as this path keeps it; under ``torch.compile`` on CPU only (the
     declared op). (Elsewhere torch's own AdamW kernels stay: the eager reference off CPU is no
     faster than them.)"""
-    device = local(p).device
+    w = local(p)
     if not _bf16_dense(p, grad) or not exact_group(optimizer, group) or (
-            device.type != "cpu" and not compiled_update.available(device)):
+            not w.is_cpu and not compiled_update.available(w.device)):
         return False
     return _state_as_kept(optimizer.state.get(p), p, state_dtype if state_dtype == torch.bfloat16 else torch.float32)
 
@@ -85,11 +85,11 @@ def master_pair(master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
     fp32 shards, which ampkit does not master, take the optimizer's own step)."""
     grad = master.grad
     if (grad is None or master.dtype != torch.float32 or grad.dtype != torch.float32 or grad.is_sparse
-            or local(master).device.type != "cpu"):
+            or not local(master).is_cpu):
         return False
     if param is None:
         return not is_dtensor(master)
-    return param.dtype == torch.bfloat16 and master.shape == param.shape and local(param).device.type == "cpu"
+    return param.dtype == torch.bfloat16 and master.shape == param.shape and local(param).is_cpu
 
 
 def plain_group(optimizer, group: dict) -> bool:
@@ -108,7 +108,7 @@ def exact_group(optimizer, group: dict) -> bool:
 def plain(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``p`` is a bf16 CPU parameter with a dense bf16 gradient of an exact AdamW /
     Adam whose group asks for nothing the fused kernels do not do (whatever its state)."""
-    return _bf16_dense(p, grad) and local(p).device.type == "cpu" and exact_group(optimizer, group)
+    return _bf16_dense(p, grad) and local(p).is_cpu and exact_group(optimizer, group)
 
 
 def _bf16_dense(p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -119,7 +119,7 @@ def _state_as_kept(state, p: torch.Tensor, dtype) -> bool:
     if not state:
         return True
     return (tuple(state) == STATE_KEYS and all(state[k].dtype == dtype and state[k].shape == p.shape for k in STATE_KEYS[1:])
-            and not (torch.is_tensor(state["step"]) and state["step"].device.type != "cpu"))
+            and not (torch.is_tensor(state["step"]) and not state["step"].is_cpu))
 
 
 def _begin(optimizer, group: dict, p: torch.Tensor, dtype) -> tuple:

@@ -36,7 +36,7 @@ def eligible(optimizer, group: dict, p: torch.Tensor, grad: torch.Tensor) -> boo
 
 def _packed(state: dict, q: torch.Tensor, blocks: int) -> bool:
     """Whether ``state`` is ``state_8bit``'s packing of Adam's for the part ``q`` of ``blocks`` scales."""
-    if state.keys() != NAMES or not torch.is_tensor(state["step"]) or state["step"].device.type != "cpu":
+    if state.keys() != NAMES or not torch.is_tensor(state["step"]) or not state["step"].is_cpu:
         return False
     for codes, scales, dtype in _PACKED:
         c, s = local(state[codes]), state[scales]
