@@ -11,7 +11,7 @@ import torch
 
 from . import native
 from .fused_masters import _check, captured, captured_many, in_one_call, stepped_table
-from .fused_sgd import BUFFER, NEW_BUFFER, NO_BUFFER, Hyper, step_master_eager
+from .fused_sgd import Hyper, _mode, step_master_eager
 from .remainder import combine, set_side_table, side_table, split_
 
 __all__ = ["step_", "step_table_", "steps_table_"]
@@ -46,10 +46,6 @@ def steps_native(lib, steps: list, hyper: Hyper) -> list:
         w, r, grad, buf, new, table = steps[i]
         return _call(lib, w, r, grad, buf, hyper, new, table)
     return captured_many(call_many, call_of, [s[0].numel() for s in steps])
-
-
-def _mode(buf, new: bool) -> int:
-    return NO_BUFFER if buf is None else NEW_BUFFER if new else BUFFER
 
 
 def _call(lib, w, r, grad, buf, hyper: Hyper, new: bool, table: torch.Tensor):
