@@ -174,7 +174,9 @@ def recording_proxy():
             with conn:
                 conn.settimeout(1)
                 with contextlib.suppress(OSError):
-                    seen.append(conn.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace"))
+                    data = conn.recv(4096)
+                    if data:  # chromium may open a connection to its proxy and close it unused: no request
+                        seen.append(data.split(b"\r\n", 1)[0].decode(errors="replace"))
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
